@@ -1,0 +1,1 @@
+"""The bundled distributed runtime: a tiny hybrid model, an engine and workloads on HiCache."""

@@ -1,0 +1,182 @@
+"""Run a test body on N ranks of a mesh, without torchrun.
+
+``run_on_mesh(shape, body, *args)`` forks one process per rank from a forkserver that
+has torch preloaded (a 4-rank run costs well under a second after the first), joins
+them into a gloo (CPU) or NCCL (CUDA) process group through a TCPStore that this
+process hosts on 127.0.0.1 with a kernel-chosen port, builds the DeviceMesh with
+``init_device_mesh`` and calls ``body(mesh, *args)`` on every rank. It returns the
+bodies' return values in rank order.
+
+Failure is loud and bounded: a rank that raises fails the call with its traceback and
+mesh coordinates; a rank that dies or hangs fails it after ``timeout`` seconds; every
+rank process is killed before the call returns. ``body`` must be a module-level
+function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+DEFAULT_NAMES = {1: ("tp",), 2: ("cp", "tp"), 3: ("pp", "cp", "tp")}
+_CTX: Any = None
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died or timed out."""
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    return _CTX
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _rank_main(
+    rank: int,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    backend: str,
+    port: int,
+    timeout: float,
+    body: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+) -> None:
+    torch.set_num_threads(1)
+    world = 1
+    for s in shape:
+        world *= s
+    coords: Any = None
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout)
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+        )
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+        mesh = dist.init_device_mesh(device_type, shape, mesh_dim_names=names)
+        coords = dict(zip(names, mesh.get_coordinate() or (), strict=False))
+        result = body(mesh, *args)
+        conn.send(("ok", rank, coords, result))
+    except BaseException:
+        conn.send(("error", rank, coords, traceback.format_exc()))
+        conn.close()
+        # Peers may be blocked in a collective with us; do not wait for them.
+        os._exit(1)
+    conn.close()
+    dist.destroy_process_group()
+
+
+def run_on_mesh(
+    shape: Sequence[int],
+    body: Callable[..., Any],
+    *args: Any,
+    names: Sequence[str] | None = None,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``body(mesh, *args)`` on every rank of a mesh of ``shape``; return results by rank.
+
+    ``names`` defaults to the innermost axes (``tp``; ``cp, tp``; ``pp, cp, tp``).
+    ``backend="nccl"`` needs one CUDA device per rank and skips the test otherwise.
+    """
+    shape = tuple(int(s) for s in shape)
+    names = tuple(names) if names is not None else DEFAULT_NAMES[len(shape)]
+    world = 1
+    for s in shape:
+        world *= s
+    if backend == "nccl" and gpu_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs for NCCL; found {gpu_count()}")
+
+    ctx = _context()
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world + 1,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    procs, conns = [], []
+    for rank in range(world):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_rank_main,
+            args=(rank, shape, names, backend, store.port, timeout, body, args, writer),
+            daemon=True,
+        )
+        proc.start()
+        writer.close()
+        procs.append(proc)
+        conns.append(reader)
+
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout
+    pending = dict(enumerate(conns))
+    try:
+        while pending and not failures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                failures.append(
+                    f"timeout after {timeout:.0f}s; ranks {sorted(pending)} did not finish"
+                )
+                break
+            ready = wait(list(pending.values()), timeout=min(remaining, 1.0))
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    status, _, coords, payload = conn.recv()
+                except EOFError:
+                    failures.append(
+                        f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
+                    )
+                    del pending[rank]
+                    continue
+                del pending[rank]
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    failures.append(f"rank {rank} {coords} raised:\n{payload}")
+        if failures:
+            # Collect errors from ranks that fail at about the same time (often the cause).
+            for conn in wait(list(pending.values()), timeout=0.5):
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    status, _, coords, payload = conn.recv()
+                except EOFError:
+                    continue
+                if status != "ok":
+                    failures.append(f"rank {rank} {coords} raised:\n{payload}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=0.5 if not failures else 0.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in conns:
+            conn.close()
+        del store
+    if failures:
+        raise RankFailure(f"mesh {dict(zip(names, shape, strict=True))}: " + "\n".join(failures))
+    return [results[r] for r in range(world)]

@@ -1,0 +1,64 @@
+"""Self-tests of the distributed harness: failures are loud and bounded."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests.distributed.harness import RankFailure, run_on_mesh
+
+
+def _rank_and_coord(mesh):
+    return dist.get_rank(), tuple(mesh.get_coordinate())
+
+
+def _raise_on_rank_one(mesh):
+    if dist.get_rank() == 1:
+        raise KeyError("boom from rank one")
+    dist.barrier()  # rank 0 would hang here without the harness
+
+
+def _hang_on_rank_zero(mesh):
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+
+
+def _die_on_rank_one(mesh):
+    if dist.get_rank() == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_runs_every_rank():
+    out = run_on_mesh((2, 2), _rank_and_coord)
+    assert out == [(0, (0, 0)), (1, (0, 1)), (2, (1, 0)), (3, (1, 1))]
+
+
+def test_rank_exception_fails_with_traceback_and_coords():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_on_mesh((2,), _raise_on_rank_one, timeout=30)
+    text = str(info.value)
+    assert "boom from rank one" in text and "KeyError" in text
+    assert "rank 1 {'tp': 1}" in text
+    assert time.monotonic() - t0 < 20, "a raising rank must not wait for the timeout"
+
+
+def test_hanging_rank_fails_by_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="timeout after 3s"):
+        run_on_mesh((2,), _hang_on_rank_zero, timeout=3)
+    assert time.monotonic() - t0 < 15
+
+
+def test_dead_rank_fails():
+    with pytest.raises(RankFailure, match="rank 1 died"):
+        run_on_mesh((2,), _die_on_rank_one, timeout=20)
+
+
+def test_nccl_variant_runs_or_skips_with_reason():
+    out = run_on_mesh((2,), _rank_and_coord, backend="nccl")
+    assert [r for r, _ in out] == [0, 1]

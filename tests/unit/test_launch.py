@@ -1,0 +1,50 @@
+"""runtime.launch: clear errors for bad mesh sizes; torchrun prints one coordinate per rank."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_mismatched_mesh_is_a_clear_error():
+    proc = _run(sys.executable, "-m", "runtime.launch", "--tp", "2")
+    assert proc.returncode == 2
+    assert "= 2 ranks, but 1 were launched" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_nonpositive_axis_is_a_clear_error():
+    proc = _run(sys.executable, "-m", "runtime.launch", "--cp", "0")
+    assert proc.returncode == 2 and "--cp must be >= 1" in proc.stderr
+
+
+def test_torchrun_prints_distinct_coordinates():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed beside this interpreter")
+    proc = _run(
+        torchrun,
+        "--nproc-per-node",
+        "4",
+        "--standalone",
+        "-m",
+        "runtime.launch",
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+    )
+    assert proc.returncode == 0, proc.stderr
+    triples = re.findall(r"\(pp, cp, tp\) = \((\d), (\d), (\d)\)", proc.stdout)
+    assert sorted(triples) == [("0", "0", "0"), ("0", "0", "1"), ("1", "0", "0"), ("1", "0", "1")]
