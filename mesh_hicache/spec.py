@@ -1,0 +1,212 @@
+"""StateSpec: the model's state families, their shapes and dtypes (DESIGN.md section 4).
+
+Three families:
+
+- ``KV`` (full attention): per layer ``K`` and ``V`` of shape ``[tokens, kv_heads, head_dim]``,
+  stored in pages of ``page_size`` tokens.
+- ``MAMBA`` (recurrent): per layer a conv state ``[conv_dim, conv_kernel - 1]`` and an SSM
+  state ``[num_heads, head_dim, state_dim]``, one per prefix boundary (a "slot"), not per
+  token. Conv channels are ordered head-major (each SSM head owns ``conv_dim / num_heads``
+  consecutive channels), so a tp shard of the heads is a contiguous block of channels.
+- ``INDEXER`` (optional, sparse attention): per layer a per-token key ``[tokens, key_dim]``,
+  paged like KV.
+
+Layer ids are global model layer indices; the ids of all families together are exactly
+``range(num_layers)`` (a hybrid model: some layers attention, the others SSM). KV and
+MAMBA layers never overlap; INDEXER layers are a subset of the KV layers.
+Specs are validated on construction; ``check_tp(tp)`` validates the split over a tp axis.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Family(str, enum.Enum):
+    """A state family. Values are used in storage keys: never rename them."""
+
+    KV = "kv"
+    MAMBA = "mamba"
+    INDEXER = "indexer"
+
+
+def _check_positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _check_layers(owner: str, layer_ids: tuple[int, ...]) -> None:
+    if not layer_ids:
+        raise ValueError(f"{owner}.layer_ids must not be empty")
+    if any(not isinstance(i, int) or i < 0 for i in layer_ids):
+        raise ValueError(f"{owner}.layer_ids must be non-negative ints, got {layer_ids}")
+    if len(set(layer_ids)) != len(layer_ids) or list(layer_ids) != sorted(layer_ids):
+        raise ValueError(f"{owner}.layer_ids must be strictly increasing, got {layer_ids}")
+
+
+def _check_dtype(owner: str, name: str, dtype: object) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{owner}.{name} must be a torch.dtype, got {dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVSpec:
+    """Full-attention KV: per layer K and V of ``[tokens, num_kv_heads, head_dim]``."""
+
+    layer_ids: tuple[int, ...]
+    """Global ids of the attention layers, strictly increasing."""
+    num_kv_heads: int
+    """KV heads of the whole model (before tp). 0 is not allowed; MLA-style head-less KV
+    is ``num_kv_heads=1`` with ``mla=True``."""
+    head_dim: int
+    """Elements per head per token (K and V alike)."""
+    dtype: torch.dtype = torch.float32
+    """Element type of K and V."""
+    mla: bool = False
+    """Head-less latent KV (MLA): replicated over tp instead of sharded by head."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        _check_layers("KVSpec", self.layer_ids)
+        _check_positive("KVSpec", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        _check_dtype("KVSpec", "dtype", self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MambaSpec:
+    """Recurrent state: per layer conv ``[conv_dim, conv_kernel-1]`` and SSM
+    ``[num_heads, head_dim, state_dim]``, one of each per prefix boundary."""
+
+    layer_ids: tuple[int, ...]
+    """Global ids of the SSM layers, strictly increasing."""
+    conv_dim: int
+    """Channels of the causal depthwise conv (head-major: a multiple of ``num_heads``)."""
+    conv_kernel: int
+    """Conv kernel width; the state keeps the last ``conv_kernel - 1`` inputs (>= 2)."""
+    num_heads: int
+    """SSM heads of the whole model (before tp)."""
+    head_dim: int
+    """Channels per SSM head."""
+    state_dim: int
+    """SSM state size N per head channel."""
+    conv_dtype: torch.dtype = torch.float32
+    ssm_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        _check_layers("MambaSpec", self.layer_ids)
+        _check_positive(
+            "MambaSpec",
+            conv_dim=self.conv_dim,
+            conv_kernel=self.conv_kernel,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            state_dim=self.state_dim,
+        )
+        if self.conv_kernel < 2:
+            raise ValueError(f"MambaSpec.conv_kernel must be >= 2, got {self.conv_kernel}")
+        if self.conv_dim % self.num_heads:
+            raise ValueError(
+                f"MambaSpec.conv_dim ({self.conv_dim}) must be a multiple of "
+                f"num_heads ({self.num_heads}): conv channels are head-major"
+            )
+        _check_dtype("MambaSpec", "conv_dtype", self.conv_dtype)
+        _check_dtype("MambaSpec", "ssm_dtype", self.ssm_dtype)
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_dim)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IndexerSpec:
+    """Sparse-attention indexer: per layer a per-token key ``[tokens, key_dim]``, paged."""
+
+    layer_ids: tuple[int, ...]
+    """Global ids of the layers with an indexer (a subset of the KV layers)."""
+    key_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        _check_layers("IndexerSpec", self.layer_ids)
+        _check_positive("IndexerSpec", key_dim=self.key_dim)
+        _check_dtype("IndexerSpec", "dtype", self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateSpec:
+    """All state families of one model. At least one of ``kv`` / ``mamba`` is required."""
+
+    page_size: int
+    """Tokens per page (KV and INDEXER pages, and the radix tree's key granularity)."""
+    kv: KVSpec | None = None
+    mamba: MambaSpec | None = None
+    indexer: IndexerSpec | None = None
+    model_id: str = "model"
+    """Identifies the weights; part of every storage key."""
+    num_layers: int = field(init=False)
+    """Derived: the number of model layers (all families' layer ids together)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("StateSpec", page_size=self.page_size)
+        if self.kv is None and self.mamba is None:
+            raise ValueError("StateSpec needs kv or mamba (or both); got neither")
+        kv_layers = set(self.kv.layer_ids) if self.kv else set()
+        mamba_layers = set(self.mamba.layer_ids) if self.mamba else set()
+        if kv_layers & mamba_layers:
+            raise ValueError(
+                f"StateSpec.kv.layer_ids and StateSpec.mamba.layer_ids overlap at "
+                f"{sorted(kv_layers & mamba_layers)}"
+            )
+        if self.indexer is not None and not set(self.indexer.layer_ids) <= kv_layers:
+            raise ValueError(
+                f"StateSpec.indexer.layer_ids {self.indexer.layer_ids} must be attention "
+                f"(kv) layers {sorted(kv_layers)}"
+            )
+        layers = kv_layers | mamba_layers
+        if layers != set(range(len(layers))):
+            raise ValueError(
+                f"StateSpec layer ids {sorted(layers)} must cover range({len(layers)}) exactly"
+            )
+        object.__setattr__(self, "num_layers", len(layers))
+
+    @property
+    def families(self) -> tuple[Family, ...]:
+        """The families present, in a fixed order (KV, MAMBA, INDEXER)."""
+        present = {Family.KV: self.kv, Family.MAMBA: self.mamba, Family.INDEXER: self.indexer}
+        return tuple(f for f, s in present.items() if s is not None)
+
+    @property
+    def has_mamba(self) -> bool:
+        return self.mamba is not None
+
+    def layer_family(self, layer_id: int) -> Family:
+        """KV for an attention layer, MAMBA for an SSM layer."""
+        if self.kv is not None and layer_id in self.kv.layer_ids:
+            return Family.KV
+        if self.mamba is not None and layer_id in self.mamba.layer_ids:
+            return Family.MAMBA
+        raise ValueError(f"layer {layer_id} is not in range({self.num_layers})")
+
+    def check_tp(self, tp: int) -> None:
+        """Raise ``ValueError`` unless every family splits (or replicates) evenly over ``tp``."""
+        if self.kv is not None and not self.kv.mla:
+            heads = self.kv.num_kv_heads
+            if heads % tp and tp % heads:
+                raise ValueError(
+                    f"StateSpec.kv.num_kv_heads={heads} can be neither split over tp={tp} "
+                    f"nor replicated evenly (one must divide the other)"
+                )
+        if self.mamba is not None and self.mamba.num_heads % tp:
+            raise ValueError(
+                f"StateSpec.mamba.num_heads={self.mamba.num_heads} must be divisible by tp={tp}"
+            )
