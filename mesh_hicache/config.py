@@ -1,0 +1,87 @@
+"""HiCacheConfig: every knob of the cache, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_KINDS = ("none", "file", "mooncake")
+CP_KV_MODES = ("replicate", "shard")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"HiCacheConfig.{name}={value!r}; choose from {choices}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HiCacheConfig:
+    """Configuration of one ``HiCache``; identical on every rank of the mesh."""
+
+    device_pages: int
+    """L1 KV pages per rank (each page holds ``spec.page_size`` tokens of this rank's shard)."""
+    device_mamba_slots: int = 0
+    """L1 Mamba state slots per rank; 0 = ``max(8, device_pages // 4)`` for hybrid specs."""
+    host_pages: int = 0
+    """L2 KV pages per rank; 0 = ``host_ratio * device_pages`` (unused without the host tier)."""
+    host_ratio: float = 4.0
+    """Host pages per device page when ``host_pages`` is 0."""
+    host_mamba_slots: int = 0
+    """L2 Mamba state slots; 0 = ``host_ratio * device_mamba_slots``."""
+    enable_host: bool = True
+    """False: L1 only (a plain radix cache); storage then needs the host tier and is refused."""
+    write_policy: str = "write_through"
+    """When device pages are copied to host: ``write_through`` (on insert),
+    ``write_through_selective`` (on a node's second hit) or ``write_back`` (on eviction)."""
+    storage: str = "none"
+    """L3 backend: ``none``, ``file`` (embedded default) or ``mooncake``."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the backend (``root`` for file; master address etc. for mooncake)."""
+    prefetch_threshold: int = 256
+    """Prefetch from L3 only when the agreed L3 hit beyond L1/L2 is at least this many tokens."""
+    prefetch_policy: str = "wait_complete"
+    """When a prefetch stops: ``best_effort`` (take what arrived when the request is
+    scheduled), ``wait_complete`` or ``timeout``."""
+    prefetch_timeout_base_s: float = 1.0
+    """``timeout`` policy: base seconds to wait."""
+    prefetch_timeout_per_1k_s: float = 0.5
+    """``timeout`` policy: extra seconds per 1,000 prefetched tokens."""
+    cp_kv: str = "replicate"
+    """CP KV placement: ``replicate`` (full pages on every CP rank) or ``shard``."""
+    transfer: str = "auto"
+    """Transfer engine: ``auto`` (cuda when available), ``cpu`` or ``cuda``."""
+    tenant: str = ""
+    """Tenant salt: part of every storage key; tenants never read each other's objects."""
+    layout_version: int = 1
+    """Bumped whenever the stored byte layout changes; part of every storage key."""
+
+    def __post_init__(self) -> None:
+        if self.device_pages < 1:
+            raise ValueError(f"HiCacheConfig.device_pages must be >= 1, got {self.device_pages}")
+        for name in ("device_mamba_slots", "host_pages", "host_mamba_slots", "prefetch_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"HiCacheConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.host_ratio <= 0:
+            raise ValueError(f"HiCacheConfig.host_ratio must be > 0, got {self.host_ratio}")
+        _choice("write_policy", self.write_policy, WRITE_POLICIES)
+        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _choice("storage", self.storage, STORAGE_KINDS)
+        _choice("cp_kv", self.cp_kv, CP_KV_MODES)
+        _choice("transfer", self.transfer, ("auto", "cpu", "cuda"))
+        if self.storage != "none" and not self.enable_host:
+            raise ValueError(
+                f"HiCacheConfig.storage={self.storage!r} needs the host tier (enable_host=True)"
+            )
+        if self.write_policy == "write_back" and not self.enable_host:
+            raise ValueError("HiCacheConfig.write_policy='write_back' needs enable_host=True")
+
+    def mamba_device_slots(self) -> int:
+        return self.device_mamba_slots or max(8, self.device_pages // 4)
+
+    def num_host_pages(self) -> int:
+        return self.host_pages or int(self.host_ratio * self.device_pages)
+
+    def mamba_host_slots(self) -> int:
+        return self.host_mamba_slots or int(self.host_ratio * self.mamba_device_slots())
