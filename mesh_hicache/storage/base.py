@@ -1,0 +1,176 @@
+"""The L3 storage interface every backend implements (DESIGN.md section 8).
+
+Contract, shared by all backends:
+
+- Keys are ``StorageKey`` objects (``keys.py``); a backend stores one object per key,
+  in the object format of ``keys.py`` (header with key digest, length and checksum,
+  then the payload), and re-checks every key string with ``check_key_str``.
+- Tensors passed to ``get``/``put`` are contiguous CPU tensors of any dtype, typically
+  one host-pool row (one page or slot of one region of one shard). Only their bytes
+  matter: ``dst.nbytes`` must equal the stored payload length.
+- A miss is never an exception: a missing, corrupt, short or foreign object makes
+  ``get`` return False for that key (counted in ``stats``; one warning per kind of
+  corruption). Wrong data is never returned.
+- Transport failures (store unreachable, I/O errors other than "full") may raise;
+  ``GuardedStorage`` (``guard.py``) turns them into degraded mode.
+- Calls are synchronous and may block on I/O: run them off the scheduling thread.
+  Implementations are safe to call from several threads; stats are updated under a lock.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mesh_hicache.storage.keys import StorageKey
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StorageStats:
+    """Counters of one backend. ``StorageBackend.stats`` returns a snapshot copy."""
+
+    puts: int = 0
+    """Objects newly written."""
+    put_bytes: int = 0
+    """Payload bytes newly written."""
+    already_present: int = 0
+    """``put`` calls answered True without writing because the object existed."""
+    gets: int = 0
+    """Objects requested through ``get``."""
+    get_hits: int = 0
+    """Objects read and verified into their destination."""
+    get_bytes: int = 0
+    """Payload bytes of the hits."""
+    get_misses: int = 0
+    """Objects not returned: absent, corrupt, or skipped while degraded."""
+    corrupt: int = 0
+    """Objects that failed a check (a subset of ``get_misses``)."""
+    corrupt_by_kind: dict[str, int] = field(default_factory=dict)
+    """``corrupt`` split by ``ObjectError.kind`` ("short", "checksum", "foreign", ...)."""
+    dropped: int = 0
+    """``put`` calls answered False: the store was full or the object too large."""
+    evicted: int = 0
+    """Objects removed by the backend's own capacity management (LRU)."""
+    errors: int = 0
+    """Calls that raised a transport error (counted by ``GuardedStorage``)."""
+    skipped: int = 0
+    """Calls answered as a miss/False without touching the backend while degraded."""
+
+    def snapshot(self) -> StorageStats:
+        """A deep copy (the kind dict included)."""
+        return dataclasses.replace(self, corrupt_by_kind=dict(self.corrupt_by_kind))
+
+
+class StorageBackend(abc.ABC):
+    """A batched key -> bytes object store (the L3 tier).
+
+    Subclasses implement ``exists``, ``get``, ``put`` and usually ``close``; the
+    single-key helpers and the stats bookkeeping come from this class.
+    """
+
+    def __init__(self) -> None:
+        self._stats = StorageStats()
+        self._stats_lock = threading.Lock()
+        self._warned_kinds: set[str] = set()
+
+    # -- the interface ----------------------------------------------------------------------
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Announce a whole contiguous CPU buffer (a host-pool region) once, up front.
+
+        Zero-copy backends (Mooncake) register the memory so later ``get``/``put`` on
+        rows inside it move bytes directly; other backends ignore it (the default).
+        Does not mutate ``buffer``.
+        """
+        del buffer
+
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[StorageKey]) -> int:
+        """Length of the consecutive prefix of ``keys`` whose objects exist.
+
+        ``keys[0]`` missing -> 0; all present -> ``len(keys)``. Existence is not
+        verification: a later ``get`` may still find an object corrupt (a miss).
+        """
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
+        """Read the object of ``keys[i]`` into ``dst[i]``; returns one hit flag per key.
+
+        ``dst[i]``: contiguous CPU tensor, any dtype, ``nbytes`` equal to the payload.
+        Mutates ``dst[i]``; on a miss (absent, corrupt, short, foreign or wrong-sized
+        object) the flag is False and the content of ``dst[i]`` is unspecified. Never
+        raises for a miss; may raise on transport failure.
+        """
+
+    @abc.abstractmethod
+    def put(self, keys: Sequence[StorageKey], src: Sequence[torch.Tensor]) -> list[bool]:
+        """Store the bytes of ``src[i]`` under ``keys[i]``; returns one flag per key.
+
+        True when stored or already present (an existing object is not rewritten);
+        False when dropped (store full, object too large, conflict). Does not mutate
+        ``src``; may raise on transport failure.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release connections and handles. Further calls are undefined."""
+
+    # -- derived helpers -------------------------------------------------------------------
+
+    def exists_one(self, key: StorageKey) -> bool:
+        """True if the object of ``key`` exists (see ``exists``)."""
+        return self.exists([key]) == 1
+
+    def get_one(self, key: StorageKey, dst: torch.Tensor) -> bool:
+        """Read one object into ``dst`` (see ``get``); False on a miss."""
+        return self.get([key], [dst])[0]
+
+    def put_one(self, key: StorageKey, src: torch.Tensor) -> bool:
+        """Store one object (see ``put``); False when dropped."""
+        return self.put([key], [src])[0]
+
+    @property
+    def stats(self) -> StorageStats:
+        """A snapshot of this backend's counters."""
+        with self._stats_lock:
+            return self._stats.snapshot()
+
+    # -- for implementations ---------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        """Add ``deltas`` to the named counters of ``StorageStats``."""
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _record_corrupt(self, kind: str, key: str, detail: str) -> None:
+        """Count a corrupt object as a miss; log a warning the first time per kind."""
+        with self._stats_lock:
+            self._stats.corrupt += 1
+            self._stats.get_misses += 1
+            self._stats.corrupt_by_kind[kind] = self._stats.corrupt_by_kind.get(kind, 0) + 1
+            first = kind not in self._warned_kinds
+            self._warned_kinds.add(kind)
+        if first:
+            logger.warning(
+                "%s: %s object treated as a miss (%s) for key %s; further %r objects are "
+                "only counted in stats",
+                type(self).__name__,
+                kind,
+                detail,
+                key,
+                kind,
+            )
+
+
+def check_batch(keys: Sequence[StorageKey], tensors: Sequence[torch.Tensor], what: str) -> None:
+    """Raise ValueError unless ``keys`` and ``tensors`` have equal lengths."""
+    if len(keys) != len(tensors):
+        raise ValueError(f"{what}: {len(keys)} keys but {len(tensors)} tensors")

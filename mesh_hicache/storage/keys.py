@@ -1,0 +1,296 @@
+"""Versioned storage key schema and the object format shared by every backend (DESIGN.md 8).
+
+A key names one object: one page (or, for Mamba, one prefix-boundary slot) of one
+region, for one shard's global slice, under one namespace::
+
+    v1/<namespace digest>/<region>/<page hash hex>/<slice tag>
+
+The namespace (model id, dtype, layout version, tenant salt) enters only as a digest,
+so user-supplied strings never reach a path or a store key; every other component is
+validated and drawn from a small alphabet. Any field mismatch gives a different key: a
+miss, never a collision. ``KEY_PATTERN`` is the whole grammar; backends re-check key
+strings against it before using them as paths.
+
+Object format (``encode_header`` / ``decode_header`` / ``check_payload``): a fixed
+64-byte header followed by the payload bytes::
+
+    magic  b"MHC\\x01"    4 bytes
+    format version       u16 (little endian), currently 1
+    reserved             u16, zero
+    key digest           32 bytes, BLAKE2b-256 of the key string
+    payload length       u64
+    payload checksum     16 bytes, BLAKE2b-128 of the payload
+
+The key digest makes a foreign object (a file copied under another key's name, a store
+entry written by another namespace) detectable; the checksum catches corrupt payloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from mesh_hicache.layout import GlobalSlice
+
+KEY_SCHEMA_VERSION = 1
+"""Version of the key grammar; the ``v1`` prefix of every key string."""
+
+REGIONS: tuple[str, ...] = ("kv", "indexer", "mamba_conv", "mamba_ssm")
+"""Valid ``StorageKey.region`` values: one per separately stored host-pool region."""
+
+MAX_PAGE_HASH_BYTES = 64
+"""Longest accepted page hash (BLAKE2b-512 size); longer hashes are a ValueError."""
+
+_NAMESPACE_DIGEST_BYTES = 16
+_SLICE_TAG = r"L\d+-\d+\.H\d+-\d+\.T\d+-\d+"
+KEY_PATTERN = re.compile(
+    rf"v{KEY_SCHEMA_VERSION}/[0-9a-f]{{{2 * _NAMESPACE_DIGEST_BYTES}}}/"
+    rf"(?:{'|'.join(REGIONS)})/[0-9a-f]{{2,{2 * MAX_PAGE_HASH_BYTES}}}/{_SLICE_TAG}"
+)
+"""Full grammar of a key string (use with ``fullmatch``). No '/' beyond the separators,
+no '.' except inside the slice tag, never '..'."""
+
+
+def _check_str(owner: str, name: str, value: object, *, allow_empty: bool) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}.{name} must be a str, got {type(value).__name__}: {value!r}")
+    if not allow_empty and not value:
+        raise ValueError(f"{owner}.{name} must not be empty")
+    if "\x00" in value:
+        raise ValueError(f"{owner}.{name} must not contain NUL, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    """Everything that must match for a stored object to be valid for this cache.
+
+    ``model_id`` and ``tenant`` are free text (a model id like ``org/name`` is fine):
+    they are only hashed into ``digest()``, never placed in a key verbatim. ``dtype``
+    accepts a ``torch.dtype`` and stores its name (``torch.bfloat16`` -> ``"bfloat16"``).
+    ``layout_version`` is bumped whenever the byte layout of stored objects changes.
+    ``tenant`` salts the namespace so tenants never share objects ("" = shared).
+    """
+
+    model_id: str
+    dtype: str
+    layout_version: int
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        _check_str("KeyNamespace", "model_id", self.model_id, allow_empty=False)
+        _check_str("KeyNamespace", "dtype", self.dtype, allow_empty=False)
+        _check_str("KeyNamespace", "tenant", self.tenant, allow_empty=True)
+        version = self.layout_version
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(
+                f"KeyNamespace.layout_version must be a non-negative int, got {version!r}"
+            )
+
+    def digest(self) -> str:
+        """32 lowercase hex chars identifying the namespace (BLAKE2b-128).
+
+        Fields are length-prefixed before hashing, so no two distinct namespaces
+        serialize to the same bytes (e.g. model ``"a"`` + tenant ``"bc"`` vs ``"ab"`` + ``"c"``).
+        """
+        h = hashlib.blake2b(digest_size=_NAMESPACE_DIGEST_BYTES, person=b"mhc-namespace")
+        for field in (self.model_id, self.dtype, str(self.layout_version), self.tenant):
+            data = field.encode("utf-8")
+            h.update(struct.pack("<Q", len(data)))
+            h.update(data)
+        return h.hexdigest()
+
+
+def _check_range(name: str, value: object) -> None:
+    ok = (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        and 0 <= value[0] < value[1]
+    )
+    if not ok:
+        raise ValueError(
+            f"StorageKey.slice.{name} must be a (start, end) pair of ints with "
+            f"0 <= start < end, got {value!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StorageKey:
+    """The key of one stored object: namespace / region / page hash / global slice.
+
+    ``page_hash`` is the chained hash of the page (for Mamba regions: the last page hash
+    of the node whose boundary state is stored), 1 to 64 bytes. ``slice`` is the shard's
+    global slice (no rank numbers), so every rank holding the same slice shares objects.
+    Invalid fields raise ValueError/TypeError on construction.
+    """
+
+    namespace: KeyNamespace
+    region: str
+    page_hash: bytes
+    slice: GlobalSlice
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, KeyNamespace):
+            raise TypeError(f"StorageKey.namespace must be a KeyNamespace, got {self.namespace!r}")
+        if self.region not in REGIONS:
+            raise ValueError(f"StorageKey.region must be one of {REGIONS}, got {self.region!r}")
+        if isinstance(self.page_hash, bytearray | memoryview):
+            object.__setattr__(self, "page_hash", bytes(self.page_hash))
+        if not isinstance(self.page_hash, bytes):
+            raise TypeError(f"StorageKey.page_hash must be bytes, got {self.page_hash!r}")
+        if not 1 <= len(self.page_hash) <= MAX_PAGE_HASH_BYTES:
+            raise ValueError(
+                f"StorageKey.page_hash must be 1..{MAX_PAGE_HASH_BYTES} bytes, "
+                f"got {len(self.page_hash)}"
+            )
+        if not isinstance(self.slice, GlobalSlice):
+            raise TypeError(f"StorageKey.slice must be a GlobalSlice, got {self.slice!r}")
+        _check_range("layers", self.slice.layers)
+        _check_range("heads", self.slice.heads)
+        _check_range("tokens", self.slice.tokens)
+
+    def to_str(self) -> str:
+        """The versioned key string; also a safe relative path (see ``KEY_PATTERN``)."""
+        key = (
+            f"v{KEY_SCHEMA_VERSION}/{self.namespace.digest()}/{self.region}/"
+            f"{self.page_hash.hex()}/{self.slice.tag()}"
+        )
+        assert KEY_PATTERN.fullmatch(key), key
+        return key
+
+    def __str__(self) -> str:
+        return self.to_str()
+
+
+def check_key_str(key: str) -> str:
+    """Return ``key`` if it is a well-formed key string, else raise ValueError.
+
+    Backends call this on every key before using it as a path or store key, so a key
+    object that bypassed validation still cannot escape (no '..', no absolute path).
+    """
+    if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
+        raise ValueError(
+            f"not a valid storage key string: {key!r} (expected {KEY_PATTERN.pattern})"
+        )
+    return key
+
+
+# -- object format ----------------------------------------------------------------------
+
+OBJECT_MAGIC = b"MHC\x01"
+OBJECT_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHH32sQ16s")
+HEADER_SIZE = _HEADER.size
+"""Bytes of the object header that precedes every payload (64)."""
+
+CORRUPT_KINDS: tuple[str, ...] = ("short", "magic", "version", "foreign", "length", "checksum")
+"""Reasons ``ObjectError`` reports: truncated object, bad magic, unknown format version,
+object of another key, payload length differing from the header or the destination, and
+a checksum mismatch."""
+
+
+class ObjectError(Exception):
+    """A stored object failed a check; backends turn it into a miss plus a warning."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        assert kind in CORRUPT_KINDS, kind
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+def key_digest(key: str) -> bytes:
+    """32-byte BLAKE2b digest of a key string, as stored in the object header."""
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=32, person=b"mhc-key").digest()
+
+
+def payload_checksum(payload: bytes | bytearray | memoryview) -> bytes:
+    """16-byte BLAKE2b checksum of the payload, as stored in the object header."""
+    return hashlib.blake2b(payload, digest_size=16, person=b"mhc-payload").digest()
+
+
+def encode_header(key: str, payload: bytes | bytearray | memoryview) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key`` (write it, then the payload)."""
+    nbytes = memoryview(payload).nbytes
+    return _HEADER.pack(
+        OBJECT_MAGIC,
+        OBJECT_FORMAT_VERSION,
+        0,
+        key_digest(key),
+        nbytes,
+        payload_checksum(payload),
+    )
+
+
+def decode_header(key: str, header: bytes | bytearray | memoryview) -> tuple[int, bytes]:
+    """Check a header read for ``key``; return ``(payload length, payload checksum)``.
+
+    Raises ObjectError ("short", "magic", "version" or "foreign") when the header is
+    truncated, not ours, of an unknown format version, or written for another key.
+    """
+    if len(header) < HEADER_SIZE:
+        raise ObjectError("short", f"header of {len(header)} < {HEADER_SIZE} bytes")
+    magic, version, _reserved, digest, nbytes, checksum = _HEADER.unpack_from(header)
+    if magic != OBJECT_MAGIC:
+        raise ObjectError("magic", f"magic {magic!r} != {OBJECT_MAGIC!r}")
+    if version != OBJECT_FORMAT_VERSION:
+        raise ObjectError("version", f"format version {version} != {OBJECT_FORMAT_VERSION}")
+    if digest != key_digest(key):
+        raise ObjectError("foreign", f"object was written for another key than {key}")
+    return nbytes, checksum
+
+
+def check_payload(payload: bytes | bytearray | memoryview, nbytes: int, checksum: bytes) -> None:
+    """Raise ObjectError ("short" or "checksum") unless ``payload`` matches its header."""
+    got = memoryview(payload).nbytes
+    if got != nbytes:
+        raise ObjectError("short", f"payload of {got} bytes, header says {nbytes}")
+    if payload_checksum(payload) != checksum:
+        raise ObjectError("checksum", "payload checksum mismatch")
+
+
+def encode_object(key: str, payload: bytes | bytearray | memoryview) -> bytes:
+    """Header + payload as one bytes object (for backends that store a single blob)."""
+    return encode_header(key, payload) + bytes(payload)
+
+
+def decode_object(
+    key: str, blob: bytes | bytearray | memoryview, expected_nbytes: int | None = None
+) -> memoryview:
+    """Check a whole stored blob for ``key`` and return a view of its payload.
+
+    Raises ObjectError on any mismatch (kinds in ``CORRUPT_KINDS``); ``expected_nbytes``
+    (the destination size) turns a wrong-sized but intact object into a "length" error.
+    """
+    view = memoryview(blob).cast("B")
+    nbytes, checksum = decode_header(key, view[:HEADER_SIZE])
+    if expected_nbytes is not None and nbytes != expected_nbytes:
+        raise ObjectError("length", f"object holds {nbytes} bytes, destination {expected_nbytes}")
+    payload = view[HEADER_SIZE:]
+    if payload.nbytes != nbytes:
+        raise ObjectError("short", f"payload of {payload.nbytes} bytes, header says {nbytes}")
+    check_payload(payload, nbytes, checksum)
+    return payload
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view (no copy) of a contiguous CPU tensor of any dtype (bf16 too).
+
+    Raises TypeError/ValueError for a non-tensor, a non-CPU or a non-contiguous tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"storage tensors must be on the CPU, got device {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"storage tensors must be contiguous, got strides {tensor.stride()}")
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return flat.view(torch.uint8).numpy().data.cast("B")
