@@ -1,0 +1,186 @@
+"""GuardedStorage degraded mode and the storage factory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from mesh_hicache.layout import GlobalSlice
+from mesh_hicache.storage import (
+    FileStorage,
+    GuardedStorage,
+    KeyNamespace,
+    StorageBackend,
+    StorageKey,
+    make_storage,
+    open_storage,
+)
+
+NS = KeyNamespace("m", "float32", 0)
+
+
+def key(i: int) -> StorageKey:
+    return StorageKey(NS, "kv", bytes([i + 1]), GlobalSlice((0, 1), (0, 1), (0, 4)))
+
+
+class Flaky(StorageBackend):
+    """An in-memory backend that raises ConnectionError while ``down`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+        self.calls = 0
+        self.objects: dict[str, bytes] = {}
+        self.buffers: list[torch.Tensor] = []
+
+    def _hit(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("store unreachable")
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        self._hit()
+        self.buffers.append(buffer)
+
+    def exists(self, keys: Sequence[StorageKey]) -> int:
+        self._hit()
+        n = 0
+        while n < len(keys) and keys[n].to_str() in self.objects:
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
+        self._hit()
+        out = []
+        for k, d in zip(keys, dst, strict=True):
+            data = self.objects.get(k.to_str())
+            if data is not None:
+                d.view(-1).view(torch.uint8).copy_(
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                )
+            out.append(data is not None)
+        return out
+
+    def put(self, keys: Sequence[StorageKey], src: Sequence[torch.Tensor]) -> list[bool]:
+        self._hit()
+        for k, s in zip(keys, src, strict=True):
+            self.objects[k.to_str()] = s.numpy().tobytes()
+        return [True] * len(keys)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def warnings_in(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_failing_backend_degrades_to_misses_with_one_warning(caplog):
+    inner, clock = Flaky(), Clock()
+    guard = GuardedStorage(inner, retry_interval_s=10.0, clock=clock)
+    x = torch.ones(4)
+    with caplog.at_level(logging.INFO, logger="mesh_hicache"):
+        assert guard.put([key(0), key(1)], [x, x]) == [False, False]
+        assert guard.degraded
+        for _ in range(5):
+            assert guard.exists([key(0)]) == 0
+            assert guard.get([key(0)], [x]) == [False]
+            assert guard.put_one(key(0), x) is False
+        clock.t = 11.0  # a retry is due: it fails again, silently
+        assert guard.get_one(key(0), x) is False
+        assert guard.exists([key(0)]) == 0  # and the next call is skipped again
+    assert len(warnings_in(caplog)) == 1
+    assert inner.calls == 2  # the first failure and the one retry; the rest skipped
+    st = guard.stats
+    assert st.errors == 2 and st.skipped == 16
+    assert st.gets == st.get_misses == 6 and st.get_hits == 0
+
+
+def test_recovery_after_retry_interval(caplog):
+    inner, clock = Flaky(), Clock()
+    guard = GuardedStorage(inner, retry_interval_s=5.0, clock=clock)
+    x = torch.arange(4, dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger="mesh_hicache"):
+        assert guard.put_one(key(0), x) is False
+        inner.down = False
+        clock.t = 4.0
+        assert guard.put_one(key(0), x) is False and guard.degraded  # not yet
+        clock.t = 5.5
+        assert guard.put_one(key(0), x) is True and not guard.degraded
+        y = torch.zeros(4)
+        assert guard.get_one(key(0), y) and torch.equal(x, y)
+        assert guard.exists([key(0), key(1)]) == 1
+    infos = [r for r in caplog.records if r.levelno == logging.INFO and "back" in r.getMessage()]
+    assert len(infos) == 1 and len(warnings_in(caplog)) == 1
+    # A second outage warns again (once).
+    inner.down = True
+    with caplog.at_level(logging.WARNING, logger="mesh_hicache"):
+        assert guard.exists([key(0)]) == 0
+    assert len(warnings_in(caplog)) == 2 and guard.degraded
+
+
+def test_buffers_are_registered_when_the_backend_comes_back():
+    inner, clock = Flaky(), Clock()
+    guard = GuardedStorage(inner, retry_interval_s=1.0, clock=clock)
+    buf = torch.zeros(64)
+    guard.register_buffer(buf)  # fails: degraded, buffer remembered
+    assert guard.degraded and inner.buffers == []
+    inner.down = False
+    clock.t = 2.0
+    assert guard.exists([key(0)]) == 0 and not guard.degraded
+    assert len(inner.buffers) == 1 and inner.buffers[0] is buf
+
+
+def test_lazy_connect_failure_degrades(caplog):
+    attempts = []
+
+    def connect() -> StorageBackend:
+        attempts.append(1)
+        raise ConnectionRefusedError("no master")
+
+    clock = Clock()
+    guard = GuardedStorage(connect=connect, retry_interval_s=1.0, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="mesh_hicache"):
+        assert guard.exists([key(0)]) == 0 and guard.degraded
+        assert guard.get_one(key(0), torch.zeros(4)) is False
+    assert len(attempts) == 1 and len(warnings_in(caplog)) == 1
+
+
+def test_caller_errors_are_not_outages():
+    inner = Flaky()
+    inner.down = False
+    guard = GuardedStorage(inner)
+    with pytest.raises(ValueError):
+        guard.put([key(0)], [])
+    assert not guard.degraded
+
+
+def test_guarded_file_storage_round_trip(tmp_path):
+    guard = open_storage("file", root=str(tmp_path / "l3"), max_bytes=1 << 20)
+    x = torch.randn(8)
+    assert guard.put_one(key(0), x)
+    y = torch.empty(8)
+    assert guard.get_one(key(0), y) and torch.equal(x, y)
+    assert isinstance(guard.backend, FileStorage) and not guard.degraded
+    assert guard.stats.puts == 1 and guard.stats.get_hits == 1
+    guard.close()
+
+
+def test_factory():
+    with pytest.raises(ValueError, match="file"):
+        make_storage("s3")
+    with pytest.raises(ValueError, match="mooncake"):
+        open_storage("nfs")
+
+
+def test_make_file_storage(tmp_path):
+    store = make_storage("file", root=tmp_path / "l3", max_bytes=1024)
+    assert isinstance(store, FileStorage) and store.root == (tmp_path / "l3").resolve()
