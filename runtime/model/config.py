@@ -1,0 +1,197 @@
+"""ModelConfig: the shapes of the tiny hybrid model, its presets and its cached state.
+
+The model is a decoder whose layers follow ``layer_pattern``: ``"A"`` is a GQA attention
+layer, ``"S"`` a Mamba-2 style SSM layer; every layer is followed by an MLP. The config
+also says exactly which state the serving cache must keep (:meth:`ModelConfig.state_spec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
+
+ATTENTION = "A"
+SSM = "S"
+MLP_KINDS = ("swiglu", "gelu")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Shapes and numerics of :class:`runtime.model.HybridModel`. Validated on construction."""
+
+    vocab_size: int = 256
+    """Token ids are in ``range(vocab_size)``; divisible by tp (the LM head is split by vocab)."""
+    d_model: int = 64
+    """Width of the residual stream."""
+    layer_pattern: str = "SSASSSAS"
+    """One letter per layer: ``A`` attention, ``S`` SSM. Layer ids are string indices."""
+    num_heads: int = 8
+    """Attention query heads (divisible by tp)."""
+    num_kv_heads: int = 2
+    """Attention KV heads (GQA); divides ``num_heads``; either divides tp or tp divides it."""
+    head_dim: int = 8
+    """Channels per attention head (even, for RoPE)."""
+    ssm_heads: int = 8
+    """SSM heads (divisible by tp); B and C are per head (n_groups = ssm_heads)."""
+    ssm_head_dim: int = 16
+    """Channels per SSM head (``P``); the SSM inner width is ``ssm_heads * ssm_head_dim``."""
+    ssm_state_dim: int = 8
+    """SSM state size per head channel (``N``)."""
+    conv_kernel: int = 4
+    """Width of the causal depthwise conv over the x, B, C channels (>= 2)."""
+    scan_chunk: int = 16
+    """Tokens per block of the chunked SSM scan (a speed knob; results do not depend on it
+    beyond float rounding)."""
+    mlp_hidden: int = 128
+    """Hidden width of each MLP (divisible by tp)."""
+    mlp_kind: str = "swiglu"
+    """``swiglu`` or ``gelu``."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    seed: int = 0
+    """Weights are a pure function of (seed, tensor name): same seed, same model, any mesh."""
+    dtype: torch.dtype = torch.float32
+    """Weights, activations, K/V and conv state. The SSM state is always float32."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "ssm_heads",
+            "ssm_head_dim", "ssm_state_dim", "conv_kernel", "scan_chunk", "mlp_hidden",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if not self.layer_pattern or set(self.layer_pattern) - {ATTENTION, SSM}:
+            raise ValueError(
+                f"ModelConfig.layer_pattern must be a non-empty string of 'A' (attention) "
+                f"and 'S' (SSM), got {self.layer_pattern!r}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.conv_kernel < 2:
+            raise ValueError(f"ModelConfig.conv_kernel must be >= 2, got {self.conv_kernel}")
+        if self.mlp_kind not in MLP_KINDS:
+            raise ValueError(f"ModelConfig.mlp_kind={self.mlp_kind!r}; valid: {MLP_KINDS}")
+        if self.dtype not in DTYPES.values():
+            raise ValueError(f"ModelConfig.dtype={self.dtype}; valid: {list(DTYPES.values())}")
+
+    # -- derived shapes -----------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_pattern)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_pattern) if kind == ATTENTION)
+
+    @property
+    def ssm_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_pattern) if kind == SSM)
+
+    @property
+    def ssm_inner(self) -> int:
+        """Width of the SSM's x (and gate z): ``ssm_heads * ssm_head_dim``."""
+        return self.ssm_heads * self.ssm_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels, head-major: head h owns ``[x_h (P), B_h (N), C_h (N)]``."""
+        return self.ssm_heads * (self.ssm_head_dim + 2 * self.ssm_state_dim)
+
+    def check_mesh(self, *, tp: int, cp: int, pp: int, page_size: int, cp_kv: str) -> None:
+        """Raise ``ValueError`` unless the model splits over a ``pp x cp x tp`` mesh."""
+        for name, value, total in (
+            ("num_heads", self.num_heads, tp),
+            ("ssm_heads", self.ssm_heads, tp),
+            ("mlp_hidden", self.mlp_hidden, tp),
+            ("vocab_size", self.vocab_size, tp),
+        ):
+            if value % total:
+                raise ValueError(f"ModelConfig.{name}={value} must be divisible by tp={total}")
+        kv = self.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"ModelConfig.num_kv_heads={kv} and tp={tp}: one must divide the other"
+            )
+        if pp > self.num_layers:
+            raise ValueError(f"pp={pp} stages for only {self.num_layers} layers")
+        if cp_kv not in ("replicate", "shard"):
+            raise ValueError(f"cp_kv={cp_kv!r}; valid: ('replicate', 'shard')")
+        if cp_kv == "shard" and page_size % cp:
+            raise ValueError(f"cp_kv='shard' needs page_size ({page_size}) divisible by cp={cp}")
+
+    def state_spec(self, page_size: int) -> StateSpec:
+        """The state the cache keeps for this model: whole-model shapes, layer ids = pattern.
+
+        KV and conv state use ``dtype``; the SSM state is float32.
+        """
+        kv = None
+        if self.attention_layers:
+            kv = KVSpec(
+                layer_ids=self.attention_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+            )
+        mamba = None
+        if self.ssm_layers:
+            mamba = MambaSpec(
+                layer_ids=self.ssm_layers,
+                conv_dim=self.conv_dim,
+                conv_kernel=self.conv_kernel,
+                num_heads=self.ssm_heads,
+                head_dim=self.ssm_head_dim,
+                state_dim=self.ssm_state_dim,
+                conv_dtype=self.dtype,
+                ssm_dtype=torch.float32,
+            )
+        return StateSpec(page_size=page_size, kv=kv, mamba=mamba, model_id=self.model_id)
+
+    @property
+    def model_id(self) -> str:
+        """Names the weights (part of every storage key): shapes, pattern, seed and dtype."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"hybrid-v{self.vocab_size}-d{self.d_model}-{self.layer_pattern}"
+            f"-h{self.num_heads}kv{self.num_kv_heads}x{self.head_dim}"
+            f"-s{self.ssm_heads}x{self.ssm_head_dim}n{self.ssm_state_dim}k{self.conv_kernel}"
+            f"-{self.mlp_kind}{self.mlp_hidden}-seed{self.seed}-{dtype}"
+        )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Fast tests: every mesh up to tp=8 splits it.
+    "tiny": ModelConfig(),
+    # Benchmarks: on CPU its compute dominates the cache's copies.
+    "small": ModelConfig(
+        vocab_size=4096,
+        d_model=512,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        ssm_heads=16,
+        ssm_head_dim=64,
+        ssm_state_dim=32,
+        scan_chunk=64,
+        mlp_hidden=1536,
+    ),
+}
+
+
+def preset(name: str, **overrides: object) -> ModelConfig:
+    """A named preset (``tiny`` or ``small``) with field overrides, e.g. ``seed=1``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid: {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]

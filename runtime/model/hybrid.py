@@ -1,0 +1,231 @@
+"""HybridModel: the tiny hybrid decoder, split over a ``pp x cp x tp`` mesh.
+
+Every rank builds the weights of its pp stage from the seed (the full tensors), keeps its
+tp shard (``shard_tp`` of each block) and runs the same code; communication is only
+through the tp / cp / pp groups of the ``MeshTopology``. The paged cache is not the
+model's business: the caller hands in a contiguous :class:`SeqState` and keeps what the
+model appends to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mesh_hicache.topology import MeshTopology
+from runtime.model.config import ATTENTION, ModelConfig
+from runtime.model.layers import MLP, Attention, Mamba2, RMSNorm, normal
+from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
+from runtime.model.state import SeqState
+
+
+class Block:
+    """Pre-norm residual block: ``h += mixer(norm1(h)); h += mlp(norm2(h))``."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, cp_kv: str, page_size: int) -> None:
+        self.norm1 = RMSNorm(config, f"layers.{layer_id}.norm1")
+        self.norm2 = RMSNorm(config, f"layers.{layer_id}.norm2")
+        self.mixer: Attention | Mamba2
+        if config.layer_pattern[layer_id] == ATTENTION:
+            self.mixer = Attention(config, layer_id, cp_kv, page_size)
+        else:
+            self.mixer = Mamba2(config, layer_id)
+        self.mlp = MLP(config, layer_id)
+
+    def shard_tp(self, rank: int, size: int) -> None:
+        self.mixer.shard_tp(rank, size)
+        self.mlp.shard_tp(rank, size)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> None:
+        for part in (self.norm1, self.norm2, self.mixer, self.mlp):
+            part.to(device, dtype)
+
+    def prefill(
+        self, h: Tensor, bounds: list[tuple[int, int]], state: SeqState, comms: MeshComms
+    ) -> Tensor:
+        x = self.norm1(h)
+        if isinstance(self.mixer, Attention):
+            h = h + self.mixer.prefill(x, bounds, state, comms.cp, comms.tp)
+        else:
+            h = h + self.mixer.forward(x, bounds, state, comms.cp, comms.tp)
+        return h + self.mlp(self.norm2(h), comms.tp)
+
+    def decode(self, h: Tensor, state: SeqState, comms: MeshComms) -> Tensor:
+        x = self.norm1(h)
+        if isinstance(self.mixer, Attention):
+            h = h + self.mixer.decode(x, state, comms.cp, comms.tp)
+        else:
+            # Every cp rank runs the same token: the SSM needs no cp exchange.
+            h = h + self.mixer.forward(x, [(0, 1)], state, AxisComm.solo(), comms.tp)
+        return h + self.mlp(self.norm2(h), comms.tp)
+
+
+class HybridModel:
+    """The model on one rank of a mesh (or on one device with ``topology=None``).
+
+    Construction is collective (creates the tp, cp, pp groups, in that order). Then every
+    rank of the mesh must call :meth:`prefill` / :meth:`decode` with the same arguments:
+    the collectives inside are unconditional.
+
+    ``cp_kv``: ``"replicate"`` (every cp rank keeps every token's K/V) or ``"shard"``
+    (cp rank c keeps the tokens whose position-in-page lies in ``[c*ps/cp, (c+1)*ps/cp)``
+    with ``ps = page_size``; decode merges partial attention over cp by log-sum-exp).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        topology: MeshTopology | None = None,
+        *,
+        cp_kv: str = "replicate",
+        page_size: int = 16,
+    ) -> None:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.config = config
+        self.cp_kv = cp_kv
+        self.page_size = page_size
+        self.comms = MeshComms.from_topology(topology) if topology else MeshComms.solo()
+        pp, cp, tp = self.comms.pp, self.comms.cp, self.comms.tp
+        config.check_mesh(tp=tp.size, cp=cp.size, pp=pp.size, page_size=page_size, cp_kv=cp_kv)
+        self.device = torch.device(topology.device_type if topology else "cpu")
+        self.is_first_stage = pp.rank == 0
+        self.is_last_stage = pp.rank == pp.size - 1
+        # Global ids of this pp stage's layers (contiguous).
+        self.local_layers: tuple[int, ...] = tuple(
+            stage_layer_range(config.num_layers, pp.size, pp.rank)
+        )
+        dtype, c = config.dtype, config
+        self.blocks = [Block(config, i, cp_kv, page_size) for i in self.local_layers]
+        for block in self.blocks:
+            block.shard_tp(tp.rank, tp.size)
+            block.to(self.device, dtype)
+        self.embed: Tensor | None = None
+        if self.is_first_stage:
+            self.embed = normal(c.seed, "embed", (c.vocab_size, c.d_model), 1.0)
+            self.embed = self.embed.to(device=self.device, dtype=dtype)
+        self.final_norm: RMSNorm | None = None
+        self.lm_head: Tensor | None = None
+        if self.is_last_stage:
+            self.final_norm = RMSNorm(config, "final_norm")
+            self.final_norm.to(self.device, dtype)
+            head = normal(c.seed, "lm_head", (c.d_model, c.vocab_size), c.d_model**-0.5)
+            cols = c.vocab_size // tp.size  # split by vocab: gathering is exact
+            head = head[:, tp.rank * cols : (tp.rank + 1) * cols]
+            self.lm_head = head.contiguous().to(device=self.device, dtype=dtype)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def new_state(self) -> SeqState:
+        """An empty state (no tokens) for this rank's layers and shards."""
+        c, state = self.config, SeqState()
+        tp = self.comms.tp.size
+        kv_heads = max(c.num_kv_heads // tp, 1)
+        for block in self.blocks:
+            mixer = block.mixer
+            if isinstance(mixer, Attention):
+                empty = torch.zeros(0, kv_heads, c.head_dim, dtype=c.dtype, device=self.device)
+                state.k[mixer.layer_id], state.v[mixer.layer_id] = empty, empty.clone()
+            else:
+                channels = c.conv_dim // tp
+                state.conv[mixer.layer_id] = torch.zeros(
+                    channels, c.conv_kernel - 1, dtype=c.dtype, device=self.device
+                )
+                state.ssm[mixer.layer_id] = torch.zeros(
+                    c.ssm_heads // tp, c.ssm_head_dim, c.ssm_state_dim, device=self.device
+                )
+        return state
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def prefill(self, tokens: Tensor, state: SeqState, *, all_logits: bool = False) -> Tensor:
+        """Process ``tokens`` (int64 ``[T]``, T >= 1) after the ``state.num_tokens`` in ``state``.
+
+        CP splits the tokens into contiguous chunks (:func:`cp_chunk_bounds`). Appends to
+        ``state`` (see :class:`SeqState`) and advances ``num_tokens`` by T. Returns float32
+        logits of the last position ``[vocab]`` (or of every position ``[T, vocab]`` with
+        ``all_logits``), identical on every rank.
+        """
+        tokens = self._check_tokens(tokens)
+        comms = self.comms
+        bounds = cp_chunk_bounds(tokens.shape[0], comms.cp.size)
+        start, end = bounds[comms.cp.rank]
+        h = self._stage_input(tokens[start:end])
+        for block in self.blocks:
+            h = block.prefill(h, bounds, state, comms)
+        logits = self._logits_buffer(tokens.shape[0] if all_logits else None)
+        if self.is_last_stage:
+            if all_logits:
+                lengths = [e - s for s, e in bounds]
+                hidden = torch.cat(comms.cp.all_gather_ragged(h, lengths))
+                logits = self._logits(hidden)
+            else:
+                owner = next(c for c, (s, e) in enumerate(bounds) if s < tokens.shape[0] <= e)
+                # Adding exact zeros from the other cp ranks moves the last hidden exactly.
+                last = h[-1:] if comms.cp.rank == owner else h.new_zeros(1, h.shape[1])
+                logits = self._logits(comms.cp.all_reduce(last))[0]
+        else:
+            self._send_next(h)
+        state.num_tokens += tokens.shape[0]
+        return comms.pp.broadcast(logits, src=comms.pp.size - 1)
+
+    def decode(self, token: int, state: SeqState) -> Tensor:
+        """Process one token at position ``state.num_tokens`` (the same on every cp rank).
+
+        Appends to ``state`` and advances ``num_tokens`` by 1. Returns float32 ``[vocab]``
+        logits, identical on every rank.
+        """
+        tokens = self._check_tokens(torch.tensor([int(token)]))
+        h = self._stage_input(tokens)
+        for block in self.blocks:
+            h = block.decode(h, state, self.comms)
+        logits = self._logits_buffer(None)
+        if self.is_last_stage:
+            logits = self._logits(h)[0]
+        else:
+            self._send_next(h)
+        state.num_tokens += 1
+        return self.comms.pp.broadcast(logits, src=self.comms.pp.size - 1)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _check_tokens(self, tokens: Tensor) -> Tensor:
+        if not isinstance(tokens, Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
+            raise TypeError(f"tokens must be a 1-D int64 tensor, got {tokens!r}")
+        if tokens.numel() == 0:
+            raise ValueError("tokens must not be empty")
+        vocab = self.config.vocab_size
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+            raise ValueError(f"token ids must be in range({vocab}), got {tokens.tolist()}")
+        return tokens.to(self.device)
+
+    def _stage_input(self, tokens: Tensor) -> Tensor:
+        # Stage 0 embeds; later stages receive the previous stage's activations. Both
+        # sides know the chunk length, so an empty chunk is skipped on both.
+        if self.embed is not None:
+            return self.embed[tokens]
+        pp = self.comms.pp
+        h = torch.empty(
+            tokens.shape[0], self.config.d_model, dtype=self.config.dtype, device=self.device
+        )
+        if tokens.shape[0]:
+            pp.recv(h, src=pp.rank - 1)
+        return h
+
+    def _send_next(self, h: Tensor) -> None:
+        if h.shape[0]:
+            self.comms.pp.send(h, dst=self.comms.pp.rank + 1)
+
+    def _logits_buffer(self, num_positions: int | None) -> Tensor:
+        vocab = self.config.vocab_size
+        shape = (vocab,) if num_positions is None else (num_positions, vocab)
+        return torch.empty(shape, dtype=torch.float32, device=self.device)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        # [T, D] -> float32 [T, vocab]: each tp rank owns a vocab slice; gather them.
+        assert self.final_norm is not None and self.lm_head is not None
+        local = (self.final_norm(h) @ self.lm_head).float()
+        gathered = self.comms.tp.all_gather(local)  # [tp, T, V/tp]
+        return gathered.permute(1, 0, 2).reshape(h.shape[0], -1).contiguous()

@@ -1,0 +1,156 @@
+"""How the model is cut over a ``pp x cp x tp`` mesh, and the collectives it uses.
+
+Pure split functions (shared with the engine): :func:`stage_layer_range` (pp),
+:func:`cp_chunk_bounds` (prefill tokens over cp), :func:`kv_shard_owner` /
+:func:`kv_shard_positions` (which cp rank keeps which token under ``cp_kv="shard"``).
+
+:class:`AxisComm` wraps one mesh axis's process group. A group of one rank needs no
+communication, so its collectives return their input: the model code calls them
+unconditionally and the same code runs on one device (``AxisComm.solo()``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mesh_hicache.topology import MeshTopology
+
+
+def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
+    """Global layer ids of pipeline ``stage`` of ``pp``: contiguous, balanced by count.
+
+    The first ``num_layers % pp`` stages hold one layer more than the others.
+    """
+    if not 0 < pp <= num_layers:
+        raise ValueError(f"pp={pp} must be in [1, num_layers={num_layers}]")
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} must be in [0, pp={pp})")
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def cp_chunk_bounds(num_tokens: int, cp: int) -> list[tuple[int, int]]:
+    """Split ``num_tokens`` new tokens into ``cp`` contiguous ``[start, end)`` chunks.
+
+    The first ``num_tokens % cp`` chunks get one token more; with fewer tokens than cp
+    the last chunks are empty.
+    """
+    base, extra = divmod(num_tokens, cp)
+    bounds = []
+    start = 0
+    for c in range(cp):
+        end = start + base + (1 if c < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def kv_shard_owner(positions: torch.Tensor, page_size: int, cp: int) -> torch.Tensor:
+    """The cp rank that keeps each position under ``cp_kv="shard"``.
+
+    Rank c keeps the tokens whose position-in-page lies in ``[c*ps/cp, (c+1)*ps/cp)``.
+    """
+    assert page_size % cp == 0
+    return (positions % page_size) // (page_size // cp)
+
+
+def kv_shard_positions(num_tokens: int, page_size: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Positions in ``[0, num_tokens)`` kept by ``cp_rank`` under ``cp_kv="shard"``, ascending.
+
+    ``SeqState.k/v`` of that rank hold exactly these tokens, in this order. int64, CPU.
+    """
+    positions = torch.arange(num_tokens)
+    return positions[kv_shard_owner(positions, page_size, cp) == cp_rank]
+
+
+class AxisComm:
+    """Collectives over one mesh axis (a process group), or none for a one-rank axis."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int) -> None:
+        assert group is not None or size == 1
+        self.group = group
+        self.size = size
+        self.rank = rank
+
+    @classmethod
+    def solo(cls) -> AxisComm:
+        """An axis of one rank: every collective is the identity."""
+        return cls(None, 1, 0)
+
+    @classmethod
+    def of(cls, topology: MeshTopology, axis: str) -> AxisComm:
+        """The axis ``axis`` of ``topology`` (creates its group: collective on every rank)."""
+        group = topology.group(axis)
+        return cls(group, topology.size(axis), topology.coord(axis))
+
+    def all_reduce(
+        self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> Tensor:
+        """Reduce ``x`` over the axis; returns a new tensor (``x`` is not modified)."""
+        if self.size == 1:
+            return x
+        out = x.contiguous().clone()
+        dist.all_reduce(out, op=op, group=self.group)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Stack every rank's ``x`` (same shape on all ranks): ``[size, *x.shape]``."""
+        if self.size == 1:
+            return x.unsqueeze(0)
+        out = x.new_empty((self.size, *x.shape))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+    def all_gather_ragged(self, x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+        """Gather ``x`` (dim 0 of length ``lengths[rank]``) from every rank, in rank order.
+
+        ``lengths`` must be known (identically) on every rank; rows are zero-padded to the
+        longest (at least 1) for the collective and cut back afterwards.
+        """
+        assert x.shape[0] == lengths[self.rank]
+        if self.size == 1:
+            return [x]
+        longest = max(max(lengths), 1)
+        padded = x.new_zeros((longest, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        stacked = self.all_gather(padded)
+        return [stacked[r, :n] for r, n in enumerate(lengths)]
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send ``x`` to axis coordinate ``dst``."""
+        dist.send(x.contiguous(), group=self.group, group_dst=dst)
+
+    def recv(self, out: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into ``out`` (contiguous, preallocated) from axis coordinate ``src``."""
+        dist.recv(out, group=self.group, group_src=src)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Broadcast ``x`` (in place on every rank) from axis coordinate ``src``."""
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=src)
+        return x
+
+
+class MeshComms:
+    """The three axes the model communicates over. Build with :meth:`from_topology`."""
+
+    def __init__(self, pp: AxisComm, cp: AxisComm, tp: AxisComm) -> None:
+        self.pp = pp
+        self.cp = cp
+        self.tp = tp
+
+    @classmethod
+    def solo(cls) -> MeshComms:
+        return cls(AxisComm.solo(), AxisComm.solo(), AxisComm.solo())
+
+    @classmethod
+    def from_topology(cls, topology: MeshTopology) -> MeshComms:
+        """Creates the tp, cp and pp groups, in that order (collective on every rank)."""
+        tp = AxisComm.of(topology, "tp")
+        cp = AxisComm.of(topology, "cp")
+        pp = AxisComm.of(topology, "pp")
+        return cls(pp, cp, tp)
