@@ -1,0 +1,181 @@
+"""Radix tree nodes and the results of tree operations (DESIGN.md section 5).
+
+Index conventions: device pages, host pages and Mamba state slots are plain ints (the
+pools' indices). A node's ``device_indices`` / ``host_indices`` are tuples with one page
+per ``page_size`` tokens of the node, or None when the node has no copy on that tier.
+Nodes are mutated only by ``RadixTree``; callers read them and pass them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of whole pages with per-tier state.
+
+    Sentinels (the tree root and one root per namespace) hold no tokens and are never
+    evicted. Every other node holds at least one page and a KV copy on device, host or
+    both. A Mamba state (device and/or host slot) is valid exactly at the node's last token.
+    """
+
+    __slots__ = (
+        "id",
+        "namespace",
+        "parent",
+        "children",
+        "tokens",
+        "hashes",
+        "device_indices",
+        "host_indices",
+        "mamba_device_slot",
+        "mamba_host_slot",
+        "lock_ref",
+        "host_ref",
+        "hit_count",
+        "last_access",
+        "num_device_children",
+        "version",
+        "alive",
+        "is_sentinel",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        namespace: str,
+        parent: TreeNode | None,
+        tokens: tuple[int, ...],
+        hashes: tuple[bytes, ...],
+        *,
+        is_sentinel: bool = False,
+    ) -> None:
+        self.id = node_id
+        """Creation id: unique, increasing; the deterministic tie-breaker."""
+        self.namespace = namespace
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        """Child nodes keyed by the tokens of their first page."""
+        self.tokens = tokens
+        self.hashes = hashes
+        """One chained page hash per page (``hashing.page_hashes``)."""
+        self.device_indices: tuple[int, ...] | None = None
+        self.host_indices: tuple[int, ...] | None = None
+        self.mamba_device_slot: int | None = None
+        self.mamba_host_slot: int | None = None
+        self.lock_ref = 0
+        """Device protection: requests using the path through this node."""
+        self.host_ref = 0
+        """Host protection: in-flight transfers using the path through this node."""
+        self.hit_count = 0
+        self.last_access = 0
+        """Logical clock value of the last match/insert through this node."""
+        self.num_device_children = 0
+        """Children that hold a device copy (device eviction takes device leaves only)."""
+        self.version = 0
+        """Bumped when the node's eviction candidacy may change (stale heap entries)."""
+        self.alive = True
+        self.is_sentinel = is_sentinel
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_indices is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_indices is not None
+
+    @property
+    def has_mamba_state(self) -> bool:
+        """Whether a Mamba state exists at this node on any tier."""
+        return self.mamba_device_slot is not None or self.mamba_host_slot is not None
+
+    @property
+    def last_hash(self) -> bytes | None:
+        """Hash of the node's last page (None for sentinels)."""
+        return self.hashes[-1] if self.hashes else None
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, ns={self.namespace!r}, tokens={self.num_tokens}, "
+            f"device={self.device_indices}, host={self.host_indices}, "
+            f"mamba=({self.mamba_device_slot}, {self.mamba_host_slot}), "
+            f"lock={self.lock_ref}, host_ref={self.host_ref})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The usable cached prefix of a key (see ``RadixTree.match_prefix``).
+
+    The usable prefix is ``device_len`` tokens on device (pages ``device_indices``)
+    followed by ``host_len`` tokens held on host only (pages ``host_indices``). On a miss
+    every length is 0, the index tuples are empty and ``last_node`` is a sentinel.
+    """
+
+    device_indices: tuple[int, ...]
+    host_indices: tuple[int, ...]
+    last_node: TreeNode
+    """Node where the usable prefix ends (lock it to protect the prefix)."""
+    device_len: int
+    host_len: int
+    usable_len: int
+    """``device_len + host_len``: tokens the caller may reuse."""
+    raw_kv_len: int
+    """Page-aligned KV match length before the Mamba rule cut it back."""
+    mamba_on_device: int | None
+    """Device slot of the Mamba state at ``last_node`` (None if none, or no Mamba)."""
+    mamba_on_host: int | None
+    nodes: tuple[TreeNode, ...]
+    """Non-sentinel nodes from the root to ``last_node``, top-down."""
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """Outcome of ``RadixTree.insert``. The caller frees every index the tree did not take."""
+
+    num_existing_pages: int
+    """Leading pages of the key that were already in the tree (on any tier)."""
+    node: TreeNode
+    """Node that ends at the key's last whole page (a sentinel for an empty key)."""
+    unused_device_indices: tuple[int, ...]
+    """Given device pages the tree did not take (their page already had a device copy)."""
+    unused_host_indices: tuple[int, ...]
+    mamba_device_taken: bool
+    """Whether the given device Mamba slot was attached (False if none was given)."""
+    mamba_host_taken: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    """Everything an eviction freed; the caller returns each index to its allocator.
+
+    Evicting one tier can free others too: removing a node (its last KV copy, or a
+    childless tombstone) frees all its pages and slots.
+    """
+
+    device_pages: tuple[int, ...] = ()
+    host_pages: tuple[int, ...] = ()
+    mamba_device_slots: tuple[int, ...] = ()
+    mamba_host_slots: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PoolUsage:
+    """An allocator's view of one pool, for ``RadixTree.check_integrity``."""
+
+    capacity: int
+    """Number of indices in the pool: valid indices are ``range(capacity)``."""
+    free: Iterable[int]
+    """Indices currently free in the allocator."""
+    held: Iterable[int] = field(default=())
+    """Indices held outside the tree (e.g. by in-flight requests)."""

@@ -1,0 +1,84 @@
+"""Chained page hashes and radix keys."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from mesh_hicache.radix import RadixKey, hashing, page_hashes
+
+
+def test_chain_and_truncation() -> None:
+    tokens = list(range(10))
+    hs = page_hashes(tokens, 4)
+    assert len(hs) == 2 and all(len(h) == 32 for h in hs)
+    # Chained: hashing the second page with the first as parent gives the same hash.
+    assert page_hashes(tokens[4:8], 4, parent=hs[0]) == [hs[1]]
+    # A different first page changes every later hash.
+    other = page_hashes([99] + tokens[1:], 4)
+    assert other[0] != hs[0] and other[1] != hs[1]
+    assert page_hashes(tokens[:3], 4) == []
+
+
+def test_namespace_isolates() -> None:
+    tokens = [1, 2, 3, 4]
+    assert page_hashes(tokens, 2, "a") != page_hashes(tokens, 2, "b")
+    assert page_hashes(tokens, 2, "") != page_hashes(tokens, 2, "x")
+
+
+def test_fixed_width_encoding() -> None:
+    # Tokens are fixed-width: (1, 256) and (256, 1) and a page of one big id never collide.
+    assert page_hashes([1, 256], 2) != page_hashes([256, 1], 2)
+    assert page_hashes([2**40], 1) != page_hashes([0], 1)
+    # The documented encoding: 8-byte little-endian signed ints.
+    h = page_hashes([7], 1)[0]
+    raw = b"mesh_hicache.page.v1" + bytes(32) + struct.pack("<I", 0) + struct.pack("<q", 7)
+    assert h == hashlib.sha256(raw).digest()
+
+
+def test_stable_across_processes() -> None:
+    # Load hashing.py alone (not the package, which imports torch) to keep this fast.
+    code = (
+        "import importlib.util as u, sys;"
+        f"s = u.spec_from_file_location('h', {hashing.__file__!r});"
+        "m = sys.modules['h'] = u.module_from_spec(s); s.loader.exec_module(m);"
+        "print(m.page_hashes(list(range(32)), 8, 'tenant')[-1].hex())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outs == {page_hashes(list(range(32)), 8, "tenant")[-1].hex()}
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        page_hashes([1], 0)
+    with pytest.raises(ValueError, match="token ids"):
+        page_hashes([2**64], 1)
+    with pytest.raises(ValueError, match="parent"):
+        page_hashes([1], 1, parent=b"short")
+    with pytest.raises(TypeError, match="ints"):
+        RadixKey((1, "a"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="namespace"):
+        RadixKey((1,), 3)  # type: ignore[arg-type]
+
+
+def test_radix_key_alignment() -> None:
+    key = RadixKey([1, 2, 3, 4, 5], "ns")  # type: ignore[arg-type]
+    assert key.tokens == (1, 2, 3, 4, 5) and len(key) == 5
+    assert key.num_pages(2) == 2
+    aligned = key.page_aligned(2)
+    assert aligned == RadixKey((1, 2, 3, 4), "ns")
+    assert aligned.page_aligned(2) is aligned
+    assert key.page_hashes(2) == page_hashes([1, 2, 3, 4], 2, "ns")

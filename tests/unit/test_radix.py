@@ -1,0 +1,365 @@
+"""RadixTree: matching, the hybrid hit rule, tiers, eviction, integrity, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from mesh_hicache.radix import (
+    EvictTarget,
+    LFUPolicy,
+    NodeStats,
+    PoolUsage,
+    RadixKey,
+    RadixTree,
+    TreeNode,
+)
+
+
+class Pages:
+    """A counter that hands out fresh indices."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def take(self, n: int) -> list[int]:
+        return [next(self._next) for _ in range(n)]
+
+
+def key(tokens: list[int] | range, ns: str = "") -> RadixKey:
+    return RadixKey(tuple(tokens), ns)
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_match_insert_split_page_sizes(ps: int) -> None:
+    tree = RadixTree(ps, has_mamba=False)
+    pages = Pages()
+    a = list(range(3 * ps + ps // 2))  # unaligned: the partial page is ignored
+    dev = pages.take(3)
+    r = tree.insert(key(a), dev)
+    assert r.num_existing_pages == 0 and r.unused_device_indices == ()
+    assert r.node.num_tokens == 3 * ps
+    m = tree.match_prefix(key(a + [7, 7]))
+    assert m.device_indices == tuple(dev) and m.device_len == m.usable_len == 3 * ps
+    assert m.raw_kv_len == 3 * ps and m.host_len == 0 and m.last_node is r.node
+
+    # A key diverging inside the node's second page: the match splits after page 1.
+    b = a[: ps + ps // 2] + [10**6] * (2 * ps)
+    m = tree.match_prefix(key(b))
+    assert m.usable_len == ps and m.device_indices == (dev[0],)
+    assert m.last_node.num_tokens == ps and len(list(tree.iter_nodes())) == 2
+    assert m.last_node.children  # the rest of a hangs below the split point
+    tree.check_integrity(device=PoolUsage(capacity=3, free=[]))
+
+    # Inserting b takes only the pages after the shared one.
+    dev_b = pages.take(len(b) // ps)
+    r = tree.insert(key(b), dev_b)
+    assert r.num_existing_pages == 1 and r.unused_device_indices == (dev_b[0],)
+    assert tree.num_device_pages == 3 + len(dev_b) - 1
+    assert tree.match_prefix(key(b)).device_indices == (dev[0], *dev_b[1:])
+    tree.check_integrity()
+    # A key shorter than a page matches nothing.
+    assert tree.match_prefix(key(a[: ps - 1])).usable_len == 0
+
+
+def test_insert_validates() -> None:
+    tree = RadixTree(4, has_mamba=False)
+    with pytest.raises(ValueError, match="one per whole page"):
+        tree.insert(key(range(9)), [0, 1, 2])
+    with pytest.raises(ValueError, match="neither"):
+        tree.insert(key(range(8)))
+    with pytest.raises(ValueError, match="has_mamba=False"):
+        tree.insert(key(range(8)), [0, 1], mamba_device_slot=0)
+    with pytest.raises(TypeError, match="RadixKey"):
+        tree.match_prefix((1, 2, 3, 4))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="page_size"):
+        RadixTree(0, has_mamba=False)
+
+
+def test_hit_rule_cuts_back_to_checkpoint() -> None:
+    ps = 2
+    tree = RadixTree(ps, has_mamba=True)
+    a = list(range(8))  # 4 pages
+    tree.insert(key(a), [0, 1, 2, 3], mamba_device_slot=0)
+    # KV for 3 pages, but no state at page 3 (nor at 1 or 2): usable is empty.
+    m = tree.match_prefix(key(a[:6] + [99, 99]))
+    assert m.raw_kv_len == 6 and m.usable_len == 0 and m.device_indices == ()
+    assert m.last_node.is_sentinel and m.mamba_on_device is None
+    # The whole key: usable up to the state at its end.
+    m = tree.match_prefix(key(a + [5]))
+    assert m.usable_len == 8 and m.mamba_on_device == 0 and m.device_indices == (0, 1, 2, 3)
+    # A checkpoint at page 2 (taken through a split; its pages already exist).
+    r = tree.insert(key(a[:4]), [10, 11], mamba_device_slot=1)
+    assert r.unused_device_indices == (10, 11) and r.mamba_device_taken
+    m = tree.match_prefix(key(a[:6] + [99, 99]))
+    assert m.raw_kv_len == 6 and m.usable_len == 4 and m.device_indices == (0, 1)
+    assert m.mamba_on_device == 1 and m.last_node is r.node
+    # A second state for the same boundary on the same tier is not taken.
+    r2 = tree.insert(key(a[:4]), [10, 11], mamba_device_slot=5)
+    assert not r2.mamba_device_taken and r2.node is r.node
+    tree.check_integrity(mamba_device=PoolUsage(capacity=2, free=[]))
+
+
+def test_state_on_host_only_and_host_tail() -> None:
+    tree = RadixTree(1, has_mamba=True)
+    r = tree.insert(key([1, 2]), [0, 1], host_indices=[0, 1], mamba_host_slot=3)
+    assert not r.mamba_device_taken and r.mamba_host_taken
+    tree.insert(key([1, 2, 3, 4]), host_indices=[5, 6, 7, 8], mamba_device_slot=4)
+    m = tree.match_prefix(key([1, 2]))
+    assert m.usable_len == 2 and m.mamba_on_device is None and m.mamba_on_host == 3
+    # Host-only insert under a device prefix: the tail is host-only.
+    m = tree.match_prefix(key([1, 2, 3, 4]))
+    assert m.device_indices == (0, 1) and m.device_len == 2
+    assert m.host_indices == (7, 8) and m.host_len == 2 and m.mamba_on_device == 4
+    # Re-inserting with device pages re-attaches the host-only node's device copy.
+    r = tree.insert(key([1, 2, 3, 4]), [20, 21, 22, 23])
+    assert r.unused_device_indices == (20, 21)
+    assert tree.match_prefix(key([1, 2, 3, 4])).device_indices == (0, 1, 22, 23)
+    tree.check_integrity()
+
+
+def test_tombstone_and_cascade_removal() -> None:
+    tree = RadixTree(2, has_mamba=True)
+    a = tree.insert(key([1, 1, 2, 2]), [0, 1], host_indices=[0, 1], mamba_device_slot=0).node
+    b = tree.insert(key([1, 1, 2, 2, 3, 3]), [0, 1, 2], mamba_device_slot=1).node
+    # Same access time; ties break by creation id: a (older) loses its state first.
+    r = tree.evict_mamba_device(1)
+    assert r.mamba_device_slots == (0,) and r.device_pages == ()
+    assert tree.is_tombstone(a) and a.alive and not tree.is_tombstone(b)
+    # The tombstone is not a hit boundary any more.
+    m = tree.match_prefix(key([1, 1, 2, 2, 9, 9]))
+    assert m.raw_kv_len == 4 and m.usable_len == 0
+    # b loses its state: childless tombstone -> removed, and a (tombstone) follows.
+    r = tree.evict_mamba_device(1)
+    assert r.mamba_device_slots == (1,)
+    assert sorted(r.device_pages) == [0, 1, 2] and r.host_pages == (0, 1)
+    assert not a.alive and not b.alive and tree.num_nodes == 0
+    assert list(tree.iter_nodes()) == []
+    tree.check_integrity(device=PoolUsage(capacity=3, free=r.device_pages))
+
+
+def test_cascade_stops_at_locked_or_stateful_ancestor() -> None:
+    tree = RadixTree(1, has_mamba=True)
+    root_state = tree.insert(key([1]), [0], mamba_host_slot=0).node
+    mid = tree.insert(key([1, 2]), [0, 1]).node  # tombstone: no state
+    leaf = tree.insert(key([1, 2, 3]), [0, 1, 2], mamba_device_slot=0).node
+    tree.lock(mid)
+    r = tree.evict_mamba_device(1)
+    assert r.device_pages == (2,) and not leaf.alive and mid.alive  # mid is locked
+    tree.unlock(mid)
+    r = tree.evict_device(1)  # the childless tombstone goes first-come through eviction
+    assert r.device_pages == (1,) and not mid.alive and root_state.alive
+    tree.check_integrity()
+
+
+def test_namespaces_isolate() -> None:
+    tree = RadixTree(2, has_mamba=False)
+    tree.insert(key([1, 2, 3, 4], "a"), [0, 1])
+    assert tree.match_prefix(key([1, 2, 3, 4], "b")).usable_len == 0
+    assert tree.match_prefix(key([1, 2, 3, 4])).usable_len == 0
+    r = tree.insert(key([1, 2, 3, 4], "b"), [2, 3])
+    assert r.num_existing_pages == 0 and r.unused_device_indices == ()
+    na = tree.match_prefix(key([1, 2, 3, 4], "a")).last_node
+    nb = tree.match_prefix(key([1, 2, 3, 4], "b")).last_node
+    assert na is not nb and na.hashes != nb.hashes
+    assert tree.match_prefix(key([1, 2, 3, 4], "b")).device_indices == (2, 3)
+    tree.check_integrity(device=PoolUsage(capacity=4, free=[]))
+
+
+def test_device_eviction_keeps_host_copy_then_host_eviction_removes() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    n = tree.insert(key([1, 2]), [0, 1], host_indices=[5, 6]).node
+    r = tree.evict_device(2)
+    assert r.device_pages == (0, 1) and r.host_pages == ()
+    assert n.alive and n.device_indices is None and n.host_indices == (5, 6)
+    m = tree.match_prefix(key([1, 2]))
+    assert m.device_len == 0 and m.host_indices == (5, 6) and m.usable_len == 2
+    # Load back: attach device pages again.
+    tree.attach_device(n, [7, 8])
+    assert tree.match_prefix(key([1, 2])).device_indices == (7, 8)
+    # Host eviction of a node also on device keeps it device-only.
+    r = tree.evict_host(2)
+    assert r.host_pages == (5, 6) and n.alive and n.host_indices is None
+    # Last copy: removal.
+    r = tree.evict_device(2)
+    assert r.device_pages == (7, 8) and not n.alive
+    tree.check_integrity()
+
+
+def test_eviction_skips_locked_and_host_protected() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    a = tree.insert(key([1, 1]), [0, 1], host_indices=[0, 1]).node
+    b = tree.insert(key([2, 2]), [2, 3], host_indices=[2, 3]).node
+    tree.lock(a)
+    tree.protect_host(b)
+    r = tree.evict_device(10)
+    assert r.device_pages == (2, 3)  # only b's device copy; a is locked
+    r = tree.evict_host(10)
+    assert r.host_pages == (0, 1)  # only a's host copy; b is host-protected
+    assert a.alive and b.alive
+    with pytest.raises(ValueError, match="without a matching"):
+        tree.unlock(b)
+    tree.unlock(a)
+    tree.release_host(b)
+    r = tree.evict_host(10)
+    assert r.host_pages == (2, 3) and not b.alive
+    r = tree.evict_device(10)
+    assert r.device_pages == (0, 1) and not a.alive and tree.num_nodes == 0
+    tree.check_integrity()
+
+
+def test_lock_protects_whole_path() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    tree.insert(key([1, 2]), [0, 1])
+    leaf = tree.insert(key([1, 2, 3]), [0, 1, 2]).node
+    tree.lock(leaf)
+    assert [n.lock_ref for n in tree.nodes_on_path(leaf)] == [1, 1]
+    assert tree.evict_device(10).device_pages == ()
+    tree.unlock(leaf)
+    assert tree.evict_device(10).device_pages == (2, 0, 1)
+
+
+def test_write_back_callback() -> None:
+    tree = RadixTree(1, has_mamba=True)
+    a = tree.insert(key([1, 2]), [0, 1], mamba_device_slot=0).node
+    b = tree.insert(key([3]), [2], mamba_device_slot=1).node
+    host = iter(range(100))
+    seen: list[int] = []
+
+    def back_up(node: TreeNode) -> None:
+        seen.append(node.id)
+        if node is a:  # the controller backs up a only (host full for b, say)
+            tree.set_host(node, [next(host) for _ in range(node.num_pages)])
+
+    r = tree.evict_device(3, before_evict=back_up)
+    assert seen == [a.id, b.id]
+    assert r.device_pages == (0, 1, 2) and r.mamba_device_slots == (1,)
+    assert a.alive and a.host_indices == (0, 1) and not b.alive
+    m = tree.match_prefix(key([1, 2]))
+    assert m.host_indices == (0, 1) and m.mamba_on_device == 0
+    tree.check_integrity()
+
+
+def test_device_only_parent_with_host_child_is_skipped_not_lost() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    parent = tree.insert(key([1]), [0]).node
+    child = tree.insert(key([1, 2]), [0, 1]).node
+    tree.set_host(child, [9])
+    assert tree.evict_device(1).device_pages == (1,)
+    # The parent has no host copy and a host-only child: it cannot go without write-back.
+    assert tree.evict_device(1).device_pages == ()
+    assert parent.alive and child.alive
+    tree.check_integrity()
+    # Once the child's host copy is evicted the parent is a plain leaf again.
+    assert tree.evict_host(1).host_pages == (9,)
+    assert tree.evict_device(1).device_pages == (0,)
+    assert tree.num_nodes == 0
+
+
+def test_lru_order_and_policy() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    for t in range(4):
+        tree.insert(key([t]), [t])
+    tree.match_prefix(key([0]))
+    tree.match_prefix(key([2]))
+    assert tree.evict_device(2).device_pages == (1, 3)
+    lfu = RadixTree(1, has_mamba=False, policy=LFUPolicy())
+    for t in range(3):
+        lfu.insert(key([t]), [t])
+    for _ in range(2):
+        lfu.match_prefix(key([0]))
+    lfu.match_prefix(key([1]))
+    assert lfu.evict_device(3).device_pages == (2, 1, 0)
+    assert LFUPolicy().priority(NodeStats(5, 2, 1, False), EvictTarget.HOST_KV) == (2, 5)
+
+
+def test_mamba_tier_transitions() -> None:
+    tree = RadixTree(1, has_mamba=True)
+    n = tree.insert(key([1]), [0], mamba_device_slot=3).node
+    tree.set_mamba_host(n, 4)
+    assert tree.clear_mamba_device(n) == 3 and tree.num_mamba_device_slots == 0
+    assert tree.match_prefix(key([1])).mamba_on_host == 4
+    tree.attach_mamba_device(n, 5)
+    with pytest.raises(ValueError, match="already"):
+        tree.attach_mamba_device(n, 6)
+    assert tree.evict_mamba_host(1).mamba_host_slots == (4,)
+    assert not tree.is_tombstone(n)
+    tree.check_integrity(mamba_device=PoolUsage(capacity=6, free=[0, 1, 2, 3, 4]))
+
+
+def test_tier_transition_errors() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    top = tree.insert(key([1]), [0], host_indices=[0]).node
+    leaf = tree.insert(key([1, 2]), [0, 1], host_indices=[0, 1]).node
+    with pytest.raises(ValueError, match="children on device"):
+        tree.clear_device(top)
+    assert tree.clear_device(leaf) == (1,)
+    assert tree.clear_device(top) == (0,)
+    with pytest.raises(ValueError, match="parent"):
+        tree.attach_device(leaf, [3])
+    with pytest.raises(ValueError, match="already has a host"):
+        tree.set_host(leaf, [3])
+    with pytest.raises(ValueError, match="both"):
+        tree.clear_host(leaf)
+    with pytest.raises(ValueError, match="has_mamba=False"):
+        tree.attach_mamba_device(leaf, 0)
+    tree.attach_device(top, [4])
+    tree.attach_device(leaf, [5])
+    assert tree.match_prefix(key([1, 2])).device_indices == (4, 5)
+    tree.check_integrity()
+
+
+def test_integrity_detects_corruption_and_leaks() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    a = tree.insert(key([1]), [0]).node
+    b = tree.insert(key([2]), [1]).node
+    tree.check_integrity(device=PoolUsage(capacity=3, free=[2]))
+    with pytest.raises(RuntimeError, match="leaks"):
+        tree.check_integrity(device=PoolUsage(capacity=4, free=[2]))
+    with pytest.raises(RuntimeError, match="free but owned"):
+        tree.check_integrity(device=PoolUsage(capacity=3, free=[1, 2]))
+    tree.check_integrity(device=PoolUsage(capacity=4, free=[2], held=[3]))
+    b.device_indices = (0,)
+    with pytest.raises(RuntimeError, match="owned by nodes"):
+        tree.check_integrity()
+    b.device_indices = (1,)
+    a.lock_ref = -1
+    with pytest.raises(RuntimeError, match="negative"):
+        tree.check_integrity()
+    a.lock_ref = 0
+    tree.num_device_pages += 1
+    with pytest.raises(RuntimeError, match="num_device_pages"):
+        tree.check_integrity()
+
+
+def _random_ops(tree: RadixTree, seed: int) -> None:
+    rng = random.Random(seed)
+    nxt = itertools.count()
+    slots = itertools.count()
+    for _ in range(300):
+        op = rng.random()
+        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 10))]
+        if op < 0.5:
+            n = len(toks) // tree.page_size
+            tree.insert(key(toks), [next(nxt) for _ in range(n)], mamba_device_slot=next(slots))
+        elif op < 0.8:
+            tree.match_prefix(key(toks))
+        elif op < 0.9:
+            tree.evict_device(rng.randrange(1, 4))
+        else:
+            tree.evict_mamba_device(1)
+
+
+def test_determinism_same_ops_same_digest() -> None:
+    t1, t2, t3 = (RadixTree(2, has_mamba=True) for _ in range(3))
+    _random_ops(t1, 7)
+    _random_ops(t2, 7)
+    _random_ops(t3, 8)
+    assert t1.digest() == t2.digest()
+    assert t1.digest() != t3.digest()
+    assert [n.id for n in t1.iter_nodes()] == [n.id for n in t2.iter_nodes()]
+    t1.check_integrity()
+    t1.match_prefix(key([0, 1]))
+    assert t1.digest() != t2.digest()
