@@ -53,6 +53,11 @@ _STALE_TMP_NS = 3600 * 10**9
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
+def _clock_ns() -> int:
+    """Wall-clock ns for recency stamps (shared by processes); tests replace it."""
+    return time.time_ns()
+
+
 def _write_payload(f: BinaryIO, payload: memoryview) -> None:
     """Write all of ``payload``; module-level so tests can interrupt a write midway."""
     f.write(payload)
@@ -226,7 +231,7 @@ class FileStorage(StorageBackend):
     def _stamp(self) -> int:
         """A wall-clock ns stamp, strictly increasing within this process."""
         with self._lock:
-            self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+            self._last_stamp_ns = max(_clock_ns(), self._last_stamp_ns + 1)
             return self._last_stamp_ns
 
     def _touch(self, path: Path, mtime_ns: int) -> None:
