@@ -154,6 +154,8 @@ class MooncakeStorage(StorageBackend):
 
         from mooncake.store import MooncakeDistributedStore
 
+        # setup() against a dead master retries for a long time: fail fast instead.
+        self._probe_master()
         self._store: Any = MooncakeDistributedStore()
         rc = self._store.setup(
             local_hostname,
@@ -374,8 +376,9 @@ class MooncakeStorage(StorageBackend):
             raise MooncakeUnavailable(
                 f"Mooncake master {self._master_address} unreachable: {err}"
             ) from err
-        self._connected = True
-        logger.info("Mooncake master %s reachable again", self._master_address)
+        if not self._connected:
+            self._connected = True
+            logger.info("Mooncake master %s reachable again", self._master_address)
 
     def _raise_if_disconnected(self, codes: Sequence[int]) -> None:
         if RPC_FAIL in codes:
