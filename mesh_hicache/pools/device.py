@@ -1,0 +1,111 @@
+"""L1 device pools: paged KV, indexer pages and Mamba state slots for this rank's layers.
+
+Per attention layer ``k(layer_id)`` and ``v(layer_id)`` are ``[num_pages, T, H, D]`` and
+``indexer(layer_id)`` is ``[num_pages, T, E]`` (T = tokens of a page held by this rank:
+``page_size / cp`` under ``cp_kv="shard"``, else ``page_size``; H = this rank's KV heads).
+Per SSM layer ``conv(layer_id)`` is ``[num_slots, C, K]`` and ``ssm(layer_id)`` is
+``[num_slots, H_ssm, D_ssm, N]``. Each family lives in one buffer with the layer as the
+outermost dim, so every per-layer tensor is contiguous. Page and slot indices come from
+``page_allocator`` and ``slot_allocator``; the pools never allocate by themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesh_hicache.layout import StateLayout
+from mesh_hicache.pools.allocator import PageAllocator
+from mesh_hicache.spec import Family
+
+
+class DevicePools:
+    """This rank's L1 state tensors (zero-initialised) plus their allocators.
+
+    ``num_pages`` (KV and indexer) and ``num_slots`` (Mamba) must be equal on every rank.
+    Accessors raise ``ValueError`` for a layer this rank does not hold in that family.
+    """
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        *,
+        num_pages: int,
+        num_slots: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_pages < 0 or num_slots < 0:
+            raise ValueError(f"num_pages={num_pages}, num_slots={num_slots} must be >= 0")
+        spec = layout.spec
+        self.layout = layout
+        self.device = torch.device(device)
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.page_allocator = PageAllocator(num_pages)
+        self.slot_allocator = PageAllocator(num_slots)
+        t = layout.page_size_local
+        self._index: dict[Family, dict[int, int]] = {}
+        self._kv = self._indexer = self._conv = self._ssm = torch.empty(0)
+        if spec.kv is not None:
+            ids = self._register(Family.KV, layout)
+            shape = (len(ids), 2, num_pages, t, layout.local_kv_heads, spec.kv.head_dim)
+            self._kv = torch.zeros(shape, dtype=spec.kv.dtype, device=self.device)
+        if spec.indexer is not None:
+            ids = self._register(Family.INDEXER, layout)
+            shape2 = (len(ids), num_pages, t, spec.indexer.key_dim)
+            self._indexer = torch.zeros(shape2, dtype=spec.indexer.dtype, device=self.device)
+        if spec.mamba is not None:
+            m = spec.mamba
+            ids = self._register(Family.MAMBA, layout)
+            conv = (len(ids), num_slots, layout.local_conv_dim, m.conv_kernel - 1)
+            ssm = (len(ids), num_slots, layout.local_ssm_heads, m.head_dim, m.state_dim)
+            self._conv = torch.zeros(conv, dtype=m.conv_dtype, device=self.device)
+            self._ssm = torch.zeros(ssm, dtype=m.ssm_dtype, device=self.device)
+
+    def _register(self, family: Family, layout: StateLayout) -> tuple[int, ...]:
+        ids = layout.family_layers(family)
+        self._index[family] = {layer: i for i, layer in enumerate(ids)}
+        return ids
+
+    def _row(self, family: Family, layer_id: int) -> int:
+        try:
+            return self._index[family][layer_id]
+        except KeyError:
+            held = sorted(self._index.get(family, {}))
+            raise ValueError(
+                f"layer {layer_id} has no {family.value} state on this rank; held: {held}"
+            ) from None
+
+    def layers(self, family: Family) -> tuple[int, ...]:
+        """Global layer ids of ``family`` held here, increasing (empty if none)."""
+        return tuple(self._index.get(family, {}))
+
+    def k(self, layer_id: int) -> torch.Tensor:
+        """K pages of ``layer_id``: ``[num_pages, T, H, D]`` (a view; writes go to the pool)."""
+        return self._kv[self._row(Family.KV, layer_id), 0]
+
+    def v(self, layer_id: int) -> torch.Tensor:
+        """V pages of ``layer_id``: ``[num_pages, T, H, D]``."""
+        return self._kv[self._row(Family.KV, layer_id), 1]
+
+    def indexer(self, layer_id: int) -> torch.Tensor:
+        """Indexer keys of ``layer_id``: ``[num_pages, T, E]``."""
+        return self._indexer[self._row(Family.INDEXER, layer_id)]
+
+    def conv(self, layer_id: int) -> torch.Tensor:
+        """Conv states of ``layer_id``: ``[num_slots, C, K]``."""
+        return self._conv[self._row(Family.MAMBA, layer_id)]
+
+    def ssm(self, layer_id: int) -> torch.Tensor:
+        """SSM states of ``layer_id``: ``[num_slots, H_ssm, D_ssm, N]``."""
+        return self._ssm[self._row(Family.MAMBA, layer_id)]
+
+    @property
+    def nbytes(self) -> int:
+        bufs = (self._kv, self._indexer, self._conv, self._ssm)
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def __repr__(self) -> str:
+        return (
+            f"DevicePools(pages={self.num_pages}, slots={self.num_slots}, "
+            f"device={self.device}, bytes={self.nbytes})"
+        )
