@@ -183,6 +183,10 @@ class RadixTree:
         if not self.has_mamba and (mamba_device_slot is not None or mamba_host_slot is not None):
             raise ValueError("mamba slots given to a RadixTree built with has_mamba=False")
         tokens = key.tokens
+        if num_pages == 0:
+            # Nothing to cache (the zero state at length 0 needs no slot).
+            root = self._roots.get(key.namespace, self._miss_root)
+            return InsertResult(0, root, (), (), False, False)
         self.clock += 1
         node = self._roots.get(key.namespace)
         if node is None:
