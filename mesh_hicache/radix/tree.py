@@ -162,6 +162,7 @@ class RadixTree:
         host_indices: Sequence[int] | None = None,
         mamba_device_slot: int | None = None,
         mamba_host_slot: int | None = None,
+        host_first_page: int = 0,
     ) -> InsertResult:
         """Insert ``key`` (truncated to whole pages) with its pages on device and/or host.
 
@@ -172,12 +173,22 @@ class RadixTree:
         ``mamba_*_slot``: the state at the key's end, attached per tier when the end node
         has none on that tier. Mutates the tree; may split a node at the key's end or at
         the divergence point.
+
+        ``host_first_page`` (L3 prefetch of a tail): ``host_indices`` then covers only pages
+        ``host_first_page ..`` of the key, and ``device_indices`` must be None. The pages
+        before it must already be in the tree; if they are not (evicted meanwhile), nothing
+        is taken: every host index and slot comes back unused.
         """
         key = self._check_key(key)
         ps = self.page_size
         num_pages = len(key.tokens) // ps
         dev = self._check_indices("device_indices", device_indices, num_pages)
-        hst = self._check_indices("host_indices", host_indices, num_pages)
+        first = host_first_page
+        if not isinstance(first, int) or not 0 <= first <= num_pages:
+            raise ValueError(f"host_first_page must be in [0, {num_pages}], got {first!r}")
+        if first and device_indices is not None:
+            raise ValueError("host_first_page > 0 is only for host-only inserts")
+        hst = self._check_indices("host_indices", host_indices, num_pages - first)
         if dev is None and hst is None:
             raise ValueError("insert needs device_indices or host_indices, got neither")
         if not self.has_mamba and (mamba_device_slot is not None or mamba_host_slot is not None):
@@ -201,6 +212,8 @@ class RadixTree:
             if child is None:
                 break
             m = self._match_len(child.tokens, tokens, pos)
+            if pos < first * ps < pos + m:
+                m = first * ps - pos  # split where the given host pages start
             if m < child.num_tokens:
                 child = self._split(child, m)
             lo, hi = pos // ps, (pos + m) // ps
@@ -209,16 +222,20 @@ class RadixTree:
                     unused_dev.extend(dev[lo:hi])
                 else:
                     self._set_device(child, dev[lo:hi])
-            if hst is not None:
+            if hst is not None and lo >= first:
                 if child.host_indices is not None:
-                    unused_host.extend(hst[lo:hi])
+                    unused_host.extend(hst[lo - first : hi - first])
                 else:
-                    self._set_host(child, hst[lo:hi])
+                    self._set_host(child, hst[lo - first : hi - first])
             child.last_access = self.clock
             self._refresh(child)
             node = child
             pos += m
         num_existing = pos // ps
+        if num_existing < first:
+            # The prefix before the given host pages is gone: nothing can hang below it.
+            assert hst is not None and not unused_host
+            return InsertResult(num_existing, node, (), hst, False, False)
         if pos < n:
             new = self._new_node(
                 key.namespace,
@@ -231,7 +248,7 @@ class RadixTree:
             if dev is not None:
                 self._set_device(new, dev[num_existing:])
             if hst is not None:
-                self._set_host(new, hst[num_existing:])
+                self._set_host(new, hst[num_existing - first :])
             self._refresh(node)
             node = new
         dev_taken = host_taken = False

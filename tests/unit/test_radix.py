@@ -363,3 +363,23 @@ def test_determinism_same_ops_same_digest() -> None:
     t1.check_integrity()
     t1.match_prefix(key([0, 1]))
     assert t1.digest() != t2.digest()
+
+
+def test_host_tail_insert_for_prefetch() -> None:
+    tree = RadixTree(1, has_mamba=True)
+    tree.insert(key([1, 2, 3]), [0, 1, 2], mamba_device_slot=0)
+    # Pages 2.. come from L3 onto host: the existing node is split at page 2.
+    r = tree.insert(key([1, 2, 3, 4]), host_indices=[7, 8], mamba_host_slot=1, host_first_page=2)
+    # Page 2 existed on device only, so it takes host page 7 (a backup for free).
+    assert r.num_existing_pages == 3 and r.unused_host_indices == ()
+    assert r.mamba_host_taken and r.node.host_indices == (8,)
+    m = tree.match_prefix(key([1, 2, 3, 4]))
+    assert m.device_indices == (0, 1, 2) and m.host_indices == (8,) and m.mamba_on_host == 1
+    # Pages before host_first_page got no host copy: the node was split at page 2.
+    assert [n.host_indices for n in tree.nodes_on_path(r.node)] == [None, (7,), (8,)]
+    # A missing prefix: nothing is taken.
+    r = tree.insert(key([5, 6, 7]), host_indices=[9], mamba_host_slot=2, host_first_page=2)
+    assert r.unused_host_indices == (9,) and not r.mamba_host_taken and r.node.is_sentinel
+    with pytest.raises(ValueError, match="host-only"):
+        tree.insert(key([1, 2]), [0, 1], host_indices=[3], host_first_page=1)
+    tree.check_integrity()
