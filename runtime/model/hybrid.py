@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mesh_hicache.spec import StateSpec
 from mesh_hicache.topology import MeshTopology
 from runtime.model.config import ATTENTION, ModelConfig
 from runtime.model.layers import MLP, Attention, Mamba2, RMSNorm, normal
@@ -117,6 +118,11 @@ class HybridModel:
             self.lm_head = head.contiguous().to(device=self.device, dtype=dtype)
 
     # -- state --------------------------------------------------------------------------------
+
+    @property
+    def state_spec(self) -> StateSpec:
+        """The cached state's spec at this model's page size (whole-model shapes)."""
+        return self.config.state_spec(self.page_size)
 
     def new_state(self) -> SeqState:
         """An empty state (no tokens) for this rank's layers and shards."""

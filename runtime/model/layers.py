@@ -177,7 +177,7 @@ class Attention:
         return q, k, v
 
     def _project(self, out: Tensor, dtype: torch.dtype, tp: AxisComm) -> Tensor:
-        return tp.all_reduce(out.reshape(out.shape[0], -1).to(dtype) @ self.wo)
+        return tp.all_reduce(out.flatten(1).to(dtype) @ self.wo)
 
     def prefill(
         self, x: Tensor, bounds: list[tuple[int, int]], state: SeqState, cp: AxisComm, tp: AxisComm

@@ -100,9 +100,9 @@ class AxisComm:
         """Stack every rank's ``x`` (same shape on all ranks): ``[size, *x.shape]``."""
         if self.size == 1:
             return x.unsqueeze(0)
-        out = x.new_empty((self.size, *x.shape))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-        return out
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
 
     def all_gather_ragged(self, x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
         """Gather ``x`` (dim 0 of length ``lengths[rank]``) from every rank, in rank order.

@@ -136,6 +136,25 @@ def test_bf16_and_gelu_variants_run() -> None:
     assert torch.isfinite(gelu.prefill(tokens, gelu.new_state())).all()
 
 
+def test_one_rank_mesh_equals_no_mesh(single_rank_group, model: HybridModel) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mesh_hicache.topology import MeshTopology
+
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
+    meshed = HybridModel(preset("tiny"), MeshTopology.from_mesh(mesh), cp_kv="shard")
+    assert meshed.local_layers == tuple(range(8))
+    assert meshed.state_spec == preset("tiny").state_spec(16)
+    tokens = _tokens(21)
+    state = meshed.new_state()
+    got = meshed.prefill(tokens, state)
+    got = meshed.decode(int(got.argmax()), state)
+    ref_state = model.new_state()
+    ref = model.prefill(tokens, ref_state)
+    ref = model.decode(int(ref.argmax()), ref_state)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
 def test_split_helpers() -> None:
     for n, pp in ((8, 1), (8, 3), (5, 5), (7, 2)):
         ranges = [stage_layer_range(n, pp, s) for s in range(pp)]

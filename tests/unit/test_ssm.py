@@ -64,13 +64,10 @@ def test_carried_state_resume() -> None:
     # Scanning A then B (carrying the state) equals scanning A+B.
     inp, s0 = _inputs(30), _state()
     whole = chunked_scan(**inp, state=s0, chunk=8)
-    first = chunked_scan(**{k: v[:11] if v.dim() > 1 else v for k, v in inp.items()}, state=s0,
-                         chunk=8)  # fmt: skip
-    second = chunked_scan(
-        **{k: v[11:] if v.dim() > 1 else v for k, v in inp.items()},
-        state=first.final_state,
-        chunk=8,
-    )
+    head = {k: v[:11] if v.dim() > 1 else v for k, v in inp.items()}
+    tail = {k: v[11:] if v.dim() > 1 else v for k, v in inp.items()}
+    first = chunked_scan(**head, state=s0, chunk=8)
+    second = chunked_scan(**tail, state=first.final_state, chunk=8)
     torch.testing.assert_close(torch.cat([first.y, second.y]), whole.y, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(second.final_state, whole.final_state, atol=ATOL, rtol=ATOL)
 
