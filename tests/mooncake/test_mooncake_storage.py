@@ -53,6 +53,7 @@ def test_second_process_reads_what_the_first_put(mooncake_services: MooncakeServ
         assert all(writer.call(bodies.put_pages, 21, "shared"))
         # The writer contributes no memory: its objects live in the mooncake_client and
         # outlive it.
+        writer.call(bodies.close_storage)
         writer.close()
         reader.call(bodies.open_storage, mooncake_services.master_address)
         out = reader.call(bodies.get_pages, 21, "shared")
