@@ -43,7 +43,7 @@ class ModelConfig:
     """SSM state size per head channel (``N``)."""
     conv_kernel: int = 4
     """Width of the causal depthwise conv over the x, B, C channels (>= 2)."""
-    scan_chunk: int = 16
+    scan_chunk: int = 64
     """Tokens per block of the chunked SSM scan (a speed knob; results do not depend on it
     beyond float rounding)."""
     mlp_hidden: int = 128

@@ -216,7 +216,7 @@ class Attention:
         parts = cp.all_gather_ragged(local, [len(p) for p in owned])
         full = local.new_empty((num_tokens, *local.shape[1:]))
         for positions, part in zip(owned, parts, strict=True):
-            full[positions] = part
+            full[positions.to(full.device)] = part
         return full
 
     def decode(self, x: Tensor, state: SeqState, cp: AxisComm, tp: AxisComm) -> Tensor:
