@@ -1,0 +1,87 @@
+"""CacheStats: the counters a serving engine reads from ``HiCache.stats()``."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+
+PREFETCH_OUTCOMES = ("completed", "partial", "aborted", "below_threshold")
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters of one rank's cache since construction (bytes are this rank's shard).
+
+    Hit tokens are per tier the prefix was served from; a hybrid hit always covers
+    every family (KV and Mamba state at the same boundary), so the per-family split of
+    tokens equals the per-tier one and is not repeated.
+    """
+
+    prefetch_policy: str = "wait_complete"
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens_device: int = 0
+    """Prompt tokens reused from L1."""
+    hit_tokens_host: int = 0
+    """Prompt tokens loaded from L2."""
+    hit_tokens_storage: int = 0
+    """Prompt tokens prefetched from L3 (then loaded through L2)."""
+    raw_kv_hit_tokens: int = 0
+    """KV matched before the Mamba rule cut the hit back (shows what states would save)."""
+    mamba_hits_device: int = 0
+    mamba_hits_host: int = 0
+    bytes_device_to_host: int = 0
+    bytes_host_to_device: int = 0
+    bytes_host_to_storage: int = 0
+    bytes_storage_to_host: int = 0
+    seconds_host_to_device: float = 0.0
+    """Wall time of loads (start to agreed completion), for GB/s."""
+    evicted_device_pages: int = 0
+    evicted_host_pages: int = 0
+    evicted_device_slots: int = 0
+    evicted_host_slots: int = 0
+    backup_failures: int = 0
+    backup_skipped_host_full: int = 0
+    load_failures: int = 0
+    storage_put_objects: int = 0
+    storage_put_dropped: int = 0
+    storage_get_misses: int = 0
+    storage_errors: int = 0
+    storage_degraded: bool = False
+    prefetch_skipped_host_full: int = 0
+    prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
+    """Prefetch outcomes under ``prefetch_policy``."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record_prefetch(self, policy: str, outcome: str) -> None:
+        assert outcome in PREFETCH_OUTCOMES and policy == self.prefetch_policy
+        with self.lock:
+            self.prefetch[outcome] += 1
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_tokens_device + self.hit_tokens_host + self.hit_tokens_storage
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        """Host -> device GB/s over the measured loads (0 when none)."""
+        s = self.seconds_host_to_device
+        return self.bytes_host_to_device / s / 1e9 if s > 0 else 0.0
+
+    def snapshot(self) -> CacheStats:
+        """A copy safe to read while the cache keeps working."""
+        with self.lock:
+            copy = dataclasses.replace(self, prefetch=dict(self.prefetch), lock=threading.Lock())
+        return copy
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain counters (and derived rates) for JSON and exporters."""
+        snap = self.snapshot()
+        out = {f.name: getattr(snap, f.name) for f in dataclasses.fields(snap) if f.name != "lock"}
+        out.update(hit_tokens=snap.hit_tokens, hit_rate=snap.hit_rate, load_gbps=snap.load_gbps)
+        return out

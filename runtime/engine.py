@@ -1,0 +1,275 @@
+"""The serving engine: match -> load -> prefill the suffix -> insert -> decode -> insert.
+
+One request at a time (the cache API does not assume it). Every rank of the mesh runs
+the same requests in the same order: the model and the cache are collective.
+
+Paging: the model keeps a request's state contiguous (``SeqState``); the engine moves
+it between the cache's device pools and that state. A page of layer L in the device
+pool is ``[page_size_local, kv_heads_local, head_dim]``; with ``cp_kv="shard"`` cp rank
+c keeps in-page offsets ``[c * page_size_local, (c + 1) * page_size_local)``.
+
+Mamba checkpoints: the state is written to a device slot at the last page boundary of
+the prompt, at the point where the prompt branched off a cached KV path that had no
+state there (so the next request with that prefix gets a hit), and at the last page
+boundary reached while decoding (for the next turn of a chat).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mesh_hicache.cache import CachedRequest, HiCache
+from runtime.model import HybridModel, SeqState
+from runtime.model.parallel import kv_shard_positions
+from runtime.workloads import Turn
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request produced and what the cache saved it."""
+
+    request_id: int
+    session: int
+    turn: int
+    prompt_len: int
+    cached_device: int
+    cached_host: int
+    cached_storage: int
+    ttft_s: float
+    decode_s: float
+    output_ids: list[int]
+    last_logits: list[float] | None = None
+
+    @property
+    def cached(self) -> int:
+        return self.cached_device + self.cached_host + self.cached_storage
+
+    def as_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "id": self.request_id,
+            "session": self.session,
+            "turn": self.turn,
+            "prompt_len": self.prompt_len,
+            "cached": {
+                "device": self.cached_device,
+                "host": self.cached_host,
+                "storage": self.cached_storage,
+            },
+            "ttft_s": self.ttft_s,
+            "decode_s": self.decode_s,
+            "output_ids": self.output_ids,
+        }
+        if self.last_logits is not None:
+            out["last_logits"] = self.last_logits
+        return out
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    """A Mamba state written to a device slot after ``num_tokens`` tokens."""
+
+    num_tokens: int
+    slot: int
+
+
+@dataclass(slots=True)
+class Engine:
+    """Runs requests through ``model`` with ``cache`` (None = recompute everything)."""
+
+    model: HybridModel
+    cache: HiCache | None
+    max_new_tokens: int = 8
+    keep_logits: bool = False
+    histories: dict[int, list[int]] = field(default_factory=dict)
+
+    def run(self, trace: Sequence[Turn], progress: object = None) -> list[RequestResult]:
+        """Serve a whole trace; each turn's prompt is its session's history + user tokens."""
+        results = []
+        for turn in trace:
+            prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
+            result = self.serve(prompt, turn.namespace)
+            result.request_id, result.session, result.turn = (
+                turn.request_id,
+                turn.session,
+                turn.turn,
+            )
+            self.histories[turn.session] = prompt + result.output_ids
+            results.append(result)
+            if callable(progress):
+                progress(result)
+        return results
+
+    def serve(self, prompt: Sequence[int], namespace: str = "") -> RequestResult:
+        """Greedy-generate ``max_new_tokens`` after ``prompt`` (at least 1 token)."""
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        t0 = time.perf_counter()
+        tokens = torch.tensor(list(prompt), dtype=torch.long)
+        if self.cache is None:
+            state = self.model.new_state()
+            logits = self.model.prefill(tokens, state)
+            ttft = time.perf_counter() - t0
+            return self._decode(prompt, state, logits, ttft, None, (0, 0, 0))
+        cache = self.cache
+        # Match one token short: at least one prompt token is always computed, and its
+        # logits start the decode.
+        req = cache.match(prompt[:-1], namespace)
+        try:
+            return self._serve_cached(prompt, tokens, req, t0)
+        finally:
+            cache.release(req)
+
+    # -- the cached path --------------------------------------------------------------------
+
+    def _serve_cached(
+        self, prompt: Sequence[int], tokens: torch.Tensor, req: CachedRequest, t0: float
+    ) -> RequestResult:
+        cache, model, ps = self.cache, self.model, self.model.page_size
+        assert cache is not None
+        cache.load(req)
+        state = self._state_from_cache(req)
+        prefix = cache.finish_load(req)
+        if prefix == 0:
+            state = model.new_state()
+        hit, cached = req.hit, req.served
+        total_pages = -(-(len(prompt) + self.max_new_tokens) // ps)
+        pages = req.prefix_pages[: prefix // ps] + cache.alloc_pages(
+            req, total_pages - prefix // ps
+        )
+        # Checkpoints inside the prompt: where it branched off a stateless KV path, and the
+        # last page boundary. Prefill is split there so the state can be captured.
+        stops = set()
+        if cache.spec.has_mamba:
+            if prefix < hit.raw_kv_tokens < len(prompt):
+                stops.add(hit.raw_kv_tokens)
+            # Strictly inside the prompt: a repeat of this prompt matches one token short.
+            stops.add((len(prompt) - 1) // ps * ps)
+        stops = {s for s in stops if prefix < s <= len(prompt)} | {len(prompt)}
+        checkpoints: list[_Checkpoint] = []
+        pos = prefix
+        logits = torch.empty(0)
+        for stop in sorted(stops):
+            logits = model.prefill(tokens[pos:stop], state)
+            pos = stop
+            if stop % ps == 0 and cache.spec.has_mamba:
+                checkpoints.append(self._checkpoint(req, state))
+        ttft = time.perf_counter() - t0
+        self._write_kv(state, pages, prefix, len(prompt))
+        for cp in checkpoints:
+            cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
+        if not cache.spec.has_mamba and len(prompt) >= ps:
+            n = len(prompt) // ps * ps
+            cache.insert(req, prompt[:n], pages[: n // ps])
+        return self._decode(prompt, state, logits, ttft, (req, pages), cached)
+
+    def _state_from_cache(self, req: CachedRequest) -> SeqState:
+        """The model state after ``req.prefix_len`` cached tokens, layer by layer."""
+        assert self.cache is not None
+        model, pools = self.model, self.cache.device
+        state = model.new_state()
+        n = req.prefix_len
+        if n == 0:
+            return state
+        pages = torch.tensor(req.prefix_pages[: n // model.page_size], dtype=torch.long)
+        for layer in model.local_layers:
+            req.wait_layer(layer)
+            if layer in state.k:
+                heads, dim = state.k[layer].shape[1:]
+                state.k[layer] = pools.k(layer)[pages].reshape(-1, heads, dim).clone()
+                state.v[layer] = pools.v(layer)[pages].reshape(-1, heads, dim).clone()
+            else:
+                assert req.mamba_slot is not None
+                state.conv[layer] = pools.conv(layer)[req.mamba_slot].clone()
+                state.ssm[layer] = pools.ssm(layer)[req.mamba_slot].clone()
+        state.num_tokens = n
+        return state
+
+    def _checkpoint(self, req: CachedRequest, state: SeqState) -> _Checkpoint:
+        assert self.cache is not None
+        slot = self.cache.alloc_slot(req)
+        self._write_state(state, slot)
+        return _Checkpoint(state.num_tokens, slot)
+
+    def _write_state(self, state: SeqState, slot: int) -> None:
+        assert self.cache is not None
+        pools = self.cache.device
+        for layer, conv in state.conv.items():
+            pools.conv(layer)[slot] = conv
+            pools.ssm(layer)[slot] = state.ssm[layer]
+
+    def _write_kv(self, state: SeqState, pages: list[int], start: int, end: int) -> None:
+        """Copy the K/V of positions ``[start, end)`` from ``state`` into their pages."""
+        assert self.cache is not None
+        model, pools, ps = self.model, self.cache.device, self.model.page_size
+        comms = model.comms
+        if model.cp_kv == "shard":
+            positions = kv_shard_positions(end, ps, comms.cp.size, comms.cp.rank)
+            offset = comms.cp.rank * (ps // comms.cp.size)
+        else:
+            positions = torch.arange(end)
+            offset = 0
+        keep = positions >= start
+        local = keep.nonzero().flatten()
+        pos = positions[keep]
+        page_ids = torch.tensor(pages, dtype=torch.long)[pos // ps]
+        in_page = pos % ps - offset
+        for layer in state.k:
+            pools.k(layer)[page_ids, in_page] = state.k[layer][local]
+            pools.v(layer)[page_ids, in_page] = state.v[layer][local]
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def _decode(
+        self,
+        prompt: Sequence[int],
+        state: SeqState,
+        logits: torch.Tensor,
+        ttft: float,
+        paged: tuple[CachedRequest, list[int]] | None,
+        cached: tuple[int, int, int],
+    ) -> RequestResult:
+        t0 = time.perf_counter()
+        ps = self.model.page_size
+        first_logits = logits
+        output: list[int] = []
+        boundary: _Checkpoint | None = None
+        for i in range(self.max_new_tokens):
+            token = int(torch.argmax(logits))
+            output.append(token)
+            if i == self.max_new_tokens - 1:
+                break
+            logits = self.model.decode(token, state)
+            if paged is not None and self.cache is not None and state.num_tokens % ps == 0:
+                if self.cache.spec.has_mamba:
+                    if boundary is None:
+                        boundary = self._checkpoint(paged[0], state)
+                    else:
+                        self._write_state(state, boundary.slot)
+                        boundary.num_tokens = state.num_tokens
+        if paged is not None and self.cache is not None:
+            req, pages = paged
+            self._write_kv(state, pages, len(prompt), state.num_tokens)
+            full = list(prompt) + output
+            if boundary is not None:
+                n = boundary.num_tokens
+                self.cache.insert(req, full[:n], pages[: n // ps], boundary.slot)
+            elif not self.cache.spec.has_mamba and state.num_tokens >= ps:
+                n = state.num_tokens // ps * ps
+                self.cache.insert(req, full[:n], pages[: n // ps])
+        return RequestResult(
+            request_id=0,
+            session=0,
+            turn=0,
+            prompt_len=len(prompt),
+            cached_device=cached[0],
+            cached_host=cached[1],
+            cached_storage=cached[2],
+            ttft_s=ttft,
+            decode_s=time.perf_counter() - t0,
+            output_ids=output,
+            last_logits=first_logits.tolist() if self.keep_logits else None,
+        )

@@ -1,0 +1,242 @@
+"""Serve a workload with the tiny hybrid model on HiCache, end to end.
+
+    python -m runtime.serve                                  # one rank, embedded defaults
+    torchrun --standalone --nproc-per-node 4 -m runtime.serve --cp 2 --tp 2
+    python -m runtime.serve --cache off --json off.json      # recompute baseline
+
+Rank 0 prints progress and a summary table; ``--json`` writes per-request results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mesh_hicache.cache import HiCache
+from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.topology import MeshTopology
+from runtime.engine import Engine, RequestResult
+from runtime.launch import LaunchError, add_mesh_args, init_mesh
+from runtime.model import HybridModel
+from runtime.model.config import DTYPES, PRESETS, preset
+from runtime.workloads import WORKLOADS, make_workload
+
+CACHE_MODES = ("off", "device", "host", "full")
+DEFAULT_STORAGE_ROOT = os.path.join(tempfile.gettempdir(), "mesh_hicache_l3")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
+    add_mesh_args(p)
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--workload", choices=WORKLOADS, default="multiturn")
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--first-prompt-len", type=int, default=512)
+    p.add_argument("--append-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cache",
+        choices=CACHE_MODES,
+        default="full",
+        help="off: recompute; device: L1 radix cache; host: L1+L2; full: L1+L2+L3",
+    )
+    p.add_argument("--storage", choices=("file", "mooncake"), default="file")
+    p.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help="file backend root")
+    p.add_argument("--mooncake-master", default="127.0.0.1:50051")
+    p.add_argument("--mooncake-protocol", default="tcp")
+    p.add_argument("--device-pages", type=int, default=64)
+    p.add_argument("--host-pages", type=int, default=0, help="0 = 4 x device pages")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--cp-kv", choices=("replicate", "shard"), default="replicate")
+    p.add_argument(
+        "--write-policy",
+        choices=("write_through", "write_through_selective", "write_back"),
+        default="write_through",
+    )
+    p.add_argument(
+        "--prefetch-policy",
+        choices=("best_effort", "wait_complete", "timeout"),
+        default="wait_complete",
+    )
+    p.add_argument("--prefetch-threshold", type=int, default=256)
+    p.add_argument("--json", metavar="PATH", help="write config, per-request results, summary")
+    p.add_argument("--dump-logits", action="store_true", help="add last-prompt logits to --json")
+    p.add_argument("--log-every", type=int, default=8, help="a progress line every N requests")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
+    """The ``HiCacheConfig`` for ``--cache`` (None for ``off``)."""
+    if args.cache == "off":
+        return None
+    storage, options = "none", {}
+    if args.cache == "full":
+        storage = args.storage
+        if storage == "file":
+            options = {"root": args.storage_root}
+        else:
+            options = {"master_address": args.mooncake_master, "protocol": args.mooncake_protocol}
+    return HiCacheConfig(
+        device_pages=args.device_pages,
+        host_pages=args.host_pages,
+        enable_host=args.cache != "device",
+        write_policy=args.write_policy if args.cache != "device" else "write_through",
+        storage=storage,
+        storage_options=options,
+        prefetch_policy=args.prefetch_policy,
+        prefetch_threshold=args.prefetch_threshold,
+        cp_kv=args.cp_kv,
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by linear interpolation; 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:
+    """Totals and latency percentiles of a run."""
+    prompt = sum(r.prompt_len for r in results)
+    cached = [
+        sum(getattr(r, f"cached_{t}") for r in results) for t in ("device", "host", "storage")
+    ]
+    ttft = [r.ttft_s for r in results]
+    decode_tokens = sum(max(len(r.output_ids) - 1, 0) for r in results)
+    decode_s = sum(r.decode_s for r in results)
+    return {
+        "requests": len(results),
+        "prompt_tokens": prompt,
+        "cached_device": cached[0],
+        "cached_host": cached[1],
+        "cached_storage": cached[2],
+        "prefill_tokens_computed": prompt - sum(cached),
+        "hit_rate": sum(cached) / prompt if prompt else 0.0,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p95_s": percentile(ttft, 0.95),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
+        "wall_s": wall_s,
+        "requests_per_s": len(results) / wall_s if wall_s > 0 else 0.0,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    rows = [
+        ("requests", f"{summary['requests']}"),
+        ("prompt tokens", f"{summary['prompt_tokens']}"),
+        ("served from device (L1)", f"{summary['cached_device']}"),
+        ("served from host (L2)", f"{summary['cached_host']}"),
+        ("served from storage (L3)", f"{summary['cached_storage']}"),
+        ("prefill tokens computed", f"{summary['prefill_tokens_computed']}"),
+        ("hit rate", f"{summary['hit_rate']:.1%}"),
+        (
+            "TTFT p50 / p95",
+            f"{summary['ttft_p50_s'] * 1e3:.1f} / {summary['ttft_p95_s'] * 1e3:.1f} ms",
+        ),
+        ("decode tokens/s", f"{summary['decode_tokens_per_s']:.1f}"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
+    """Build model, cache and engine on this rank and serve the workload. Collective."""
+    config = preset(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
+    model = HybridModel(config, topology, cp_kv=args.cp_kv, page_size=args.page_size)
+    cfg = cache_config(args)
+    cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
+    trace = make_workload(
+        args.workload,
+        sessions=args.sessions,
+        turns=args.turns,
+        vocab=config.vocab_size,
+        seed=args.seed,
+        first_prompt_len=args.first_prompt_len,
+        append_len=args.append_len,
+    )
+    engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)
+    leader = topology.coords == (0, 0, 0)
+    log = logging.getLogger("runtime.serve")
+    done: list[RequestResult] = []
+
+    def progress(result: RequestResult) -> None:
+        done.append(result)
+        if (
+            leader
+            and not args.quiet
+            and (len(done) % args.log_every == 0 or len(done) == len(trace))
+        ):
+            part = summarize(done, time.perf_counter() - t0)
+            log.warning(
+                "[%d/%d] hit rate %.1f%% (L1 %d, L2 %d, L3 %d tokens), TTFT p50 %.1f ms",
+                len(done),
+                len(trace),
+                100 * part["hit_rate"],
+                part["cached_device"],
+                part["cached_host"],
+                part["cached_storage"],
+                1e3 * part["ttft_p50_s"],
+            )
+
+    t0 = time.perf_counter()
+    results = engine.run(trace, progress)
+    wall = time.perf_counter() - t0
+    stats = None
+    if cache is not None:
+        cache.flush()
+        stats = cache.stats().as_dict()
+        cache.close()
+    summary = summarize(results, wall)
+    return {
+        "config": {k: v for k, v in vars(args).items()},
+        "requests": [r.as_json() for r in results],
+        "summary": summary,
+        "cache_stats": stats,
+        "leader": leader,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        topology = init_mesh(args.pp, args.cp, args.tp)
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        out = run(args, topology)
+    except (LaunchError, ValueError) as err:
+        print(f"runtime.serve: error: {err}", file=sys.stderr)
+        return 2
+    if out.pop("leader"):
+        print(f"mesh (pp, cp, tp) = {topology.shape}, cache = {args.cache}, model = {args.model}")
+        print(format_summary(out["summary"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
