@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from mesh_hicache.consensus import Consensus
@@ -70,6 +71,12 @@ class HostPools:
 
     ``topology`` is needed only for :meth:`dtensor`. ``pinned=None`` pins (cupy) exactly
     when CUDA and cupy are available.
+
+    The DTensors live on a CPU DeviceMesh over the topology's rank grid (a DTensor on a
+    CUDA mesh would copy its local tensor to the GPU, losing zero-copy). On a CPU topology
+    that is the topology's own mesh; on a CUDA topology a CPU twin is built here, which is
+    collective (all ranks construct their HostPools together) and needs a process group
+    that handles CPU tensors, e.g. ``init_process_group("cpu:gloo,cuda:nccl")``.
     """
 
     def __init__(
@@ -90,6 +97,13 @@ class HostPools:
         self.pinned = cupy_cuda_available() if pinned is None else pinned
         self.page_allocator = PageAllocator(num_pages)
         self.slot_allocator = PageAllocator(num_slots)
+        self._host_mesh: DeviceMesh | None = None
+        if topology is not None:
+            mesh = topology.mesh
+            if mesh.device_type == "cpu":
+                self._host_mesh = mesh
+            else:
+                self._host_mesh = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
         self._tensors: dict[RegionName, torch.Tensor] = {}
         self._owners: list[Any] = []
         for region in layout.regions:
@@ -177,12 +191,17 @@ class HostPools:
 
     def dtensor(self, name: RegionName | str) -> DTensor:
         """The region as a DTensor over the 3D mesh; its local tensor is the buffer."""
-        if self.topology is None:
+        if self._host_mesh is None:
             raise ValueError("HostPools was built without a topology; pass topology= for DTensors")
         region = self.layout.region(name)
         return DTensor.from_local(
-            self.local(name), self.topology.mesh, list(region.placements), run_check=False
+            self.local(name), self._host_mesh, list(region.placements), run_check=False
         )
+
+    @property
+    def host_mesh(self) -> DeviceMesh | None:
+        """The CPU mesh of the DTensors (None without a topology)."""
+        return self._host_mesh
 
     @property
     def nbytes(self) -> int:
