@@ -22,17 +22,19 @@ from mesh_hicache.spec import KVSpec, StateSpec
 from mesh_hicache.transfer import make_transfer_engine
 
 
-def timed(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs, after one warm-up run."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(fns: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None]) -> dict:
+    """Median seconds of each function; the functions alternate within every repeat so
+    that load from other processes hits all of them alike. One warm-up round first."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(repeats + 1):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -43,7 +45,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--pool-factor", type=float, default=1.5, help="pool pages / --pages")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--json", default=None, help="write results to this path")
@@ -83,14 +85,19 @@ def main() -> None:
     def load() -> None:
         assert engine.load((dev_pages, host_pages)).wait()
 
-    t_backup = timed(backup, args.repeats, sync)
-    t_load = timed(load, args.repeats, sync)
-    t_d2h = timed(lambda: dst.copy_(src), args.repeats, sync)
-    t_h2d = timed(lambda: src.copy_(dst), args.repeats, sync) if device == "cuda" else t_d2h
+    fns: dict[str, Callable[[], None]] = {
+        "backup": backup,
+        "d2h": lambda: dst.copy_(src),
+        "load": load,
+    }
+    if device == "cuda":
+        fns["h2d"] = lambda: src.copy_(dst)
+    t = timed(fns, args.repeats, sync)
+    t_backup, t_load, t_d2h = t["backup"], t["load"], t["d2h"]
+    t_h2d = t.get("h2d", t_d2h)
     engine.close()
 
     gb = nbytes / 1e9
-    memcpy = gb / min(t_d2h, t_h2d) if device == "cpu" else gb / t_d2h
     result = {
         "engine": engine.kind,
         "device": device,
@@ -99,7 +106,7 @@ def main() -> None:
         "bytes": nbytes,
         "backup_gbps": gb / t_backup,
         "load_gbps": gb / t_load,
-        "memcpy_gbps": memcpy,
+        "memcpy_gbps": gb / t_d2h,
         "memcpy_h2d_gbps": gb / t_h2d,
         "backup_ratio": (gb / t_backup) / (gb / t_d2h),
         "load_ratio": (gb / t_load) / (gb / t_h2d),
