@@ -59,7 +59,8 @@ def init_mesh(pp: int, cp: int, tp: int, timeout_s: float = 300.0) -> MeshTopolo
         )
     use_cuda = torch.cuda.is_available()
     device_type = "cuda" if use_cuda else "cpu"
-    backend = "nccl" if use_cuda else "gloo"
+    # On CUDA, CPU tensors (host-pool DTensors, background agreements) still need gloo.
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():

@@ -15,21 +15,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from mesh_hicache.layout import stage_layers
 from mesh_hicache.topology import MeshTopology
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
-    """Global layer ids of pipeline ``stage`` of ``pp``: contiguous, balanced by count.
-
-    The first ``num_layers % pp`` stages hold one layer more than the others.
-    """
+    """Global layer ids of pipeline ``stage`` of ``pp``: the cache's own split
+    (``mesh_hicache.layout.stage_layers``), so a stage's model layers and its cache
+    pools always hold the same layers."""
     if not 0 < pp <= num_layers:
         raise ValueError(f"pp={pp} must be in [1, num_layers={num_layers}]")
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage={stage} must be in [0, pp={pp})")
-    base, extra = divmod(num_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+    return stage_layers(num_layers, pp, stage)
 
 
 def cp_chunk_bounds(num_tokens: int, cp: int) -> list[tuple[int, int]]:

@@ -1,0 +1,100 @@
+"""Exact-resume scenarios shared by the one-rank and the multi-rank engine tests.
+
+Each scenario serves requests through the engine with a cache and, for comparison,
+recomputes every prompt from scratch with the same model. It returns, per checked
+request, the tier the prefix came from, the cached token count, the max logit difference
+to the recompute and whether the greedy tokens match.
+
+Tolerance: a resumed prefill runs the same math as a full prefill, but the SSM scan and
+attention reduce over differently split blocks, so float32 results differ by rounding
+only (observed < 1e-5 on logits of magnitude ~4). ``ATOL`` leaves a wide margin while
+still catching any real state error (those move logits by >= 1e-2).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from mesh_hicache.cache import HiCache
+from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.topology import MeshTopology
+from runtime.engine import Engine, RequestResult
+from runtime.model import HybridModel
+from runtime.model.config import preset
+
+ATOL = 1e-4
+PAGE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    label: str
+    tier: str
+    cached: int
+    max_diff: float
+    tokens_equal: bool
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _compare(label: str, tier: str, result: RequestResult, prompt: list[int], ref: Engine) -> Check:
+    expected = ref.serve(prompt)
+    assert result.last_logits is not None and expected.last_logits is not None
+    diff = (torch.tensor(result.last_logits) - torch.tensor(expected.last_logits)).abs().max()
+    cached = {"device": result.cached_device, "host": result.cached_host}
+    cached["storage"] = result.cached_storage
+    return Check(label, tier, cached[tier], float(diff), result.output_ids == expected.output_ids)
+
+
+def resume_scenarios(
+    topology: MeshTopology, cp_kv: str = "replicate", root: str | None = None
+) -> list[Check]:
+    """L1, L2 and L3 hits, aligned and unaligned prompts, eviction and reload cycles."""
+    config = preset("tiny")
+    model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE)
+    ref = Engine(model, None, max_new_tokens=4, keep_logits=True)
+    spec = config.state_spec(PAGE)
+    root = root or tempfile.mkdtemp(prefix="mh_engine_")
+    cfg = HiCacheConfig(
+        device_pages=12,
+        device_mamba_slots=8,
+        host_pages=128,
+        storage="file",
+        storage_options={"root": root},
+        prefetch_threshold=16,
+        cp_kv=cp_kv,
+    )
+    rng = random.Random(1)
+    vocab = config.vocab_size
+    checks: list[Check] = []
+    cache = HiCache(topology, spec, cfg)
+    engine = Engine(model, cache, max_new_tokens=4, keep_logits=True)
+    a = _tokens(rng, 8 * PAGE, vocab)  # page-aligned prompt
+    b = _tokens(rng, 8 * PAGE + 5, vocab)  # unaligned
+    engine.serve(a)
+    turn = a + _tokens(rng, 21, vocab)
+    checks.append(_compare("L1 aligned", "device", engine.serve(turn), turn, ref))
+    # b evicts a's device pages (12 device pages hold about one request): a's prefix is on host.
+    engine.serve(b)
+    turn = a + _tokens(rng, 3, vocab)
+    checks.append(_compare("L2 after eviction", "host", engine.serve(turn), turn, ref))
+    for cycle in range(3):
+        engine.serve(_tokens(rng, 10 * PAGE, vocab))
+        turn = b + _tokens(rng, 7 + cycle, vocab)
+        checks.append(_compare(f"reload cycle {cycle}", "host", engine.serve(turn), turn, ref))
+    cache.flush()
+    cache.check_integrity()
+    cache.close()
+    # A new cache on the same storage root: cold L1/L2, warm L3.
+    cache = HiCache(topology, spec, cfg)
+    engine = Engine(model, cache, max_new_tokens=4, keep_logits=True)
+    turn = b + _tokens(rng, 2, vocab)
+    checks.append(_compare("L3 after restart", "storage", engine.serve(turn), turn, ref))
+    cache.close()
+    return checks

@@ -1,0 +1,97 @@
+"""runtime.serve end to end: cache off vs full give identical outputs; mesh = one rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = [
+    "--sessions",
+    "3",
+    "--turns",
+    "3",
+    "--first-prompt-len",
+    "96",
+    "--append-len",
+    "24",
+    "--device-pages",
+    "16",
+    "--prefetch-threshold",
+    "32",
+    "--max-new-tokens",
+    "4",
+    "--quiet",
+]
+
+
+def _serve(tmp_path, name, *extra, nproc=1):
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "runtime.serve"]
+    else:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        if not os.path.exists(torchrun):
+            pytest.skip("torchrun is not installed beside this interpreter")
+        cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "runtime.serve"]
+    cmd += [*SMALL, "--storage-root", str(tmp_path / "l3"), "--json", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_cache_off_and_full_agree_and_later_turns_hit(tmp_path):
+    off, _ = _serve(tmp_path, "off", "--cache", "off")
+    full, stdout = _serve(tmp_path, "full", "--cache", "full")
+    assert [r["output_ids"] for r in full["requests"]] == [r["output_ids"] for r in off["requests"]]
+    later = [r for r in full["requests"] if r["turn"] > 0]
+    assert later and all(sum(r["cached"].values()) > 0 for r in later)
+    assert full["summary"]["prefill_tokens_computed"] < off["summary"]["prefill_tokens_computed"]
+    assert "hit rate" in stdout and "TTFT p50" in stdout
+    # A restart on the same storage root serves the first turns from L3.
+    again, _ = _serve(tmp_path, "again", "--cache", "full")
+    assert again["summary"]["cached_storage"] > 0
+    assert [r["output_ids"] for r in again["requests"]] == [
+        r["output_ids"] for r in off["requests"]
+    ]
+
+
+def test_four_ranks_equal_one_rank(tmp_path):
+    one, _ = _serve(tmp_path, "one", "--cache", "off", "--dump-logits")
+    mesh, _ = _serve(
+        tmp_path,
+        "mesh",
+        "--cache",
+        "full",
+        "--cp",
+        "2",
+        "--tp",
+        "2",
+        "--cp-kv",
+        "shard",
+        "--dump-logits",
+        nproc=4,
+    )
+    assert [r["output_ids"] for r in mesh["requests"]] == [r["output_ids"] for r in one["requests"]]
+    worst = max(
+        max(abs(a - b) for a, b in zip(r["last_logits"], s["last_logits"], strict=True))
+        for r, s in zip(mesh["requests"], one["requests"], strict=True)
+    )
+    assert worst < 1e-4  # float32 reduction order only (see tests/engine_cases.py)
+    assert mesh["summary"]["cached_host"] + mesh["summary"]["cached_device"] > 0
+
+
+def test_bad_mesh_is_a_clear_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.serve", "--tp", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "runtime.serve: error" in proc.stderr
