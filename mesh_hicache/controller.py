@@ -176,16 +176,33 @@ class HiCacheController:
     ) -> list[int]:
         if n == 0:
             return []
-        if allocator.num_free < n:
-            # Deterministic: the same tree evicts the same victims on every rank.
-            evict(n - allocator.num_free)
-        got = allocator.allocate(n) if allocator.can_allocate(n) else None
-        if not self.agree.all_true(got is not None):
+        got = self._try_alloc(allocator, n, evict)
+        ok = self.agree.all_true(got is not None)
+        if not ok and (self._backups or self._writes):
+            # Nodes of in-flight backups / storage writes stay locked or host-protected
+            # until consumed, so eviction skipped them: wait for them and retry rather
+            # than fail. The queues are consumed by agreement, so their lengths (and
+            # this branch) are the same on every rank.
+            if got is not None:
+                allocator.free(got)
+            self.flush()
+            got = self._try_alloc(allocator, n, evict)
+            ok = self.agree.all_true(got is not None)
+        if not ok:
             if got is not None:
                 allocator.free(got)
             raise CacheFull(f"cannot allocate {n} {what} on every rank")
         assert got is not None
         return got
+
+    @staticmethod
+    def _try_alloc(
+        allocator: PageAllocator, n: int, evict: Callable[[int], None]
+    ) -> list[int] | None:
+        if allocator.num_free < n:
+            # Deterministic: the same tree evicts the same victims on every rank.
+            evict(n - allocator.num_free)
+        return allocator.allocate(n) if allocator.can_allocate(n) else None
 
     def _free(self, result: EvictResult) -> None:
         self.device.page_allocator.free(result.device_pages)

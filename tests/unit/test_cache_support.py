@@ -1,0 +1,242 @@
+"""Shared helpers of the HiCache tests (no tests here): a small hybrid spec, recognizable
+page/state contents, a request driver shaped like ``runtime/engine.py``, file counting.
+
+Contents are a pure function of (page hash, layer, this rank's global slice), so any
+rank can check bit-exactly what it reads back, whichever tier or rank wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit
+from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.layout import RegionName
+from mesh_hicache.radix import RadixKey
+from mesh_hicache.spec import Family, KVSpec, MambaSpec, StateSpec
+
+PS = 4
+"""Tokens per page."""
+
+
+def make_spec(model_id: str = "test/sasa", kv_dtype: torch.dtype = torch.float32) -> StateSpec:
+    """4 layers "SASA": Mamba layers 0 and 2, KV layers 1 and 3 (pp=2: one of each per stage)."""
+    return StateSpec(
+        page_size=PS,
+        kv=KVSpec(layer_ids=(1, 3), num_kv_heads=2, head_dim=2, dtype=kv_dtype),
+        mamba=MambaSpec(
+            layer_ids=(0, 2), conv_dim=4, conv_kernel=3, num_heads=2, head_dim=2, state_dim=2
+        ),
+        model_id=model_id,
+    )
+
+
+def make_config(root: Path | str | None = None, **overrides: Any) -> HiCacheConfig:
+    """Small pools (eviction happens within a few requests); file L3 under ``root``."""
+    kw: dict[str, Any] = dict(
+        device_pages=8,
+        device_mamba_slots=4,
+        host_pages=16,
+        host_mamba_slots=8,
+        transfer="cpu",
+        prefetch_threshold=PS,
+    )
+    if root is not None:
+        kw.update(storage="file", storage_options={"root": str(root)})
+    kw.update(overrides)
+    return HiCacheConfig(**kw)
+
+
+# -- recognizable contents ---------------------------------------------------------------
+
+
+def _gen(tag: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    seed = int.from_bytes(hashlib.blake2b(tag, digest_size=8).digest(), "little") >> 1
+    g = torch.Generator().manual_seed(seed)
+    # Small integers: exact in every float dtype used here, so equality is bit-exactness.
+    return torch.randint(-500, 500, shape, generator=g).to(dtype)
+
+
+def expected_kv(cache: HiCache, page_hash: bytes, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's K and V of one page: ``[T_local, H_local, D]`` each."""
+    kv = cache.spec.kv
+    assert kv is not None
+    full = _gen(page_hash + b"kv%d" % layer, (2, PS, kv.num_kv_heads, kv.head_dim), kv.dtype)
+    sl = cache.ctl.layout.region(RegionName.KV).global_slice
+    part = full[:, sl.tokens[0] : sl.tokens[1], sl.heads[0] : sl.heads[1]]
+    return part[0], part[1]
+
+
+def expected_state(
+    cache: HiCache, last_hash: bytes, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's conv ``[C_local, K-1]`` and SSM ``[H_local, D, N]`` state at a boundary."""
+    m = cache.spec.mamba
+    assert m is not None
+    conv = _gen(last_hash + b"conv%d" % layer, m.conv_shape, m.conv_dtype)
+    ssm = _gen(last_hash + b"ssm%d" % layer, m.ssm_shape, m.ssm_dtype)
+    h0, h1 = cache.ctl.layout.region(RegionName.MAMBA_SSM).global_slice.heads
+    per_head = m.conv_dim // m.num_heads
+    return conv[h0 * per_head : h1 * per_head], ssm[h0:h1]
+
+
+def hashes_of(tokens: list[int], namespace: str = "") -> list[bytes]:
+    return RadixKey(tuple(tokens), namespace).page_hashes(PS)
+
+
+def write_pages(cache: HiCache, hashes: list[bytes], pages: list[int]) -> None:
+    """Write the expected K/V of each page ``hashes[i]`` into device page ``pages[i]``."""
+    dev = cache.device
+    for h, p in zip(hashes, pages, strict=True):
+        for layer in dev.layers(Family.KV):
+            k, v = expected_kv(cache, h, layer)
+            dev.k(layer)[p] = k
+            dev.v(layer)[p] = v
+
+
+def write_state(cache: HiCache, last_hash: bytes, slot: int) -> None:
+    dev = cache.device
+    for layer in dev.layers(Family.MAMBA):
+        conv, ssm = expected_state(cache, last_hash, layer)
+        dev.conv(layer)[slot] = conv
+        dev.ssm(layer)[slot] = ssm
+
+
+def count_mismatches(cache: HiCache, req: CachedRequest, hashes: list[bytes]) -> int:
+    """Tensors of ``req``'s loaded prefix on device that differ from the expected bits."""
+    dev = cache.device
+    n = req.prefix_len // PS
+    bad = 0
+    for i in range(n):
+        page = req.prefix_pages[i]
+        for layer in dev.layers(Family.KV):
+            k, v = expected_kv(cache, hashes[i], layer)
+            bad += not torch.equal(dev.k(layer)[page], k)
+            bad += not torch.equal(dev.v(layer)[page], v)
+    if n and cache.spec.has_mamba:
+        if req.mamba_slot is None:
+            return bad + 1
+        for layer in dev.layers(Family.MAMBA):
+            conv, ssm = expected_state(cache, hashes[n - 1], layer)
+            bad += not torch.equal(dev.conv(layer)[req.mamba_slot], conv)
+            bad += not torch.equal(dev.ssm(layer)[req.mamba_slot], ssm)
+    return bad
+
+
+def poison_free_device(cache: HiCache) -> None:
+    """Fill every free device page and slot with NaN: a load must overwrite what it serves."""
+    dev = cache.device
+    pages = [i for i in range(dev.num_pages) if dev.page_allocator.is_free(i)]
+    slots = [i for i in range(dev.num_slots) if dev.slot_allocator.is_free(i)]
+    for layer in dev.layers(Family.KV):
+        dev.k(layer)[pages] = float("nan")
+        dev.v(layer)[pages] = float("nan")
+    for layer in dev.layers(Family.MAMBA):
+        dev.conv(layer)[slots] = float("nan")
+        dev.ssm(layer)[slots] = float("nan")
+
+
+# -- a request, the way a serving engine drives the cache -------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What one driven request saw: the match, the agreed prefix, and where it came from."""
+
+    hit: PrefixHit
+    prefix: int
+    served: tuple[int, int, int]
+    mismatches: int
+    cache_full: bool = False
+
+
+ABORTS = (None, "match", "load", "alloc")
+
+
+def serve(
+    cache: HiCache,
+    tokens: list[int],
+    *,
+    namespace: str = "",
+    checkpoints: tuple[int, ...] | None = None,
+    abort: str | None = None,
+) -> Served:
+    """match -> load -> finish_load -> alloc -> write -> insert (per checkpoint) -> release.
+
+    ``tokens``: whole pages. ``checkpoints``: page counts at which a Mamba state is
+    inserted (default: only the end). ``abort``: release right after ``match``, after
+    ``load`` (no ``finish_load``) or after ``alloc_pages`` (nothing inserted).
+    Never raises on a mismatch (that would hang peer ranks): it is counted instead.
+    """
+    assert len(tokens) % PS == 0 and abort in ABORTS
+    hashes = hashes_of(tokens, namespace)
+    n = len(hashes)
+    req = cache.match(tokens, namespace)
+    try:
+        if abort == "match":
+            return Served(req.hit, 0, (0, 0, 0), 0)
+        cache.load(req)
+        if abort == "load":
+            return Served(req.hit, 0, (0, 0, 0), 0)
+        prefix = cache.finish_load(req)
+        bad = count_mismatches(cache, req, hashes)
+        done = prefix // PS
+        try:
+            new = cache.alloc_pages(req, n - done)
+            pages = req.prefix_pages[:done] + new
+            write_pages(cache, hashes[done:], new)
+            if abort == "alloc":
+                return Served(req.hit, prefix, req.served, bad)
+            for b in checkpoints or (n,):
+                if b <= done:
+                    continue
+                slot = cache.alloc_slot(req)
+                write_state(cache, hashes[b - 1], slot)
+                cache.insert(req, tokens[: b * PS], pages[:b], mamba_slot=slot)
+        except CacheFull:
+            return Served(req.hit, prefix, req.served, bad, cache_full=True)
+        return Served(req.hit, prefix, req.served, bad)
+    finally:
+        cache.release(req)
+
+
+# -- whole-cache checks ------------------------------------------------------------------
+
+
+def evict_everything(cache: HiCache) -> None:
+    """Evict every tier until the tree is empty (no write-back: tests the accounting)."""
+    ctl, tree = cache.ctl, cache.tree
+    for _ in range(100):
+        before = tree.num_nodes
+        ctl._free(tree.evict_device(10**6))
+        ctl._free(tree.evict_mamba_device(10**6))
+        ctl._free(tree.evict_host(10**6))
+        ctl._free(tree.evict_mamba_host(10**6))
+        if tree.num_nodes == 0 or tree.num_nodes == before:
+            return
+
+
+def pools_fully_free(cache: HiCache) -> bool:
+    allocators = [cache.device.page_allocator, cache.device.slot_allocator]
+    if cache.ctl.host is not None:
+        allocators += [cache.ctl.host.page_allocator, cache.ctl.host.slot_allocator]
+    return all(a.num_free == a.capacity for a in allocators)
+
+
+def stored_objects(root: Path | str) -> list[tuple[str, str, str]]:
+    """(region, page hash hex, slice tag) of every object file under ``root``."""
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if name.startswith(".tmp-"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, name), root).split(os.sep)
+            assert len(rel) == 5 and rel[0] == "v1", rel
+            out.append((rel[2], rel[3], rel[4]))
+    return out
