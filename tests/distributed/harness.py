@@ -148,6 +148,7 @@ def run_on_mesh(
                 try:
                     status, _, coords, payload = conn.recv()
                 except EOFError:
+                    procs[rank].join(timeout=0.5)
                     failures.append(
                         f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
                     )
@@ -159,15 +160,23 @@ def run_on_mesh(
                 else:
                     failures.append(f"rank {rank} {coords} raised:\n{payload}")
         if failures:
-            # Collect errors from ranks that fail at about the same time (often the cause).
-            for conn in wait(list(pending.values()), timeout=0.5):
-                rank = next(r for r, c in pending.items() if c is conn)
-                try:
-                    status, _, coords, payload = conn.recv()
-                except EOFError:
-                    continue
-                if status != "ok":
-                    failures.append(f"rank {rank} {coords} raised:\n{payload}")
+            # Collect what ranks failing at about the same time report: the first error
+            # seen is often a peer's "connection reset", the cause another rank's death.
+            grace = time.monotonic() + 1.0
+            while pending and time.monotonic() < grace:
+                for conn in wait(list(pending.values()), timeout=0.2):
+                    rank = next(r for r, c in pending.items() if c is conn)
+                    del pending[rank]
+                    try:
+                        status, _, coords, payload = conn.recv()
+                    except EOFError:
+                        procs[rank].join(timeout=0.5)
+                        failures.append(
+                            f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
+                        )
+                        continue
+                    if status != "ok":
+                        failures.append(f"rank {rank} {coords} raised:\n{payload}")
     finally:
         for proc in procs:
             proc.join(timeout=0.5 if not failures else 0.0)

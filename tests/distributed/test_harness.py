@@ -55,7 +55,7 @@ def test_hanging_rank_fails_by_timeout():
 
 
 def test_dead_rank_fails():
-    with pytest.raises(RankFailure, match="rank 1 died"):
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code 7\)"):
         run_on_mesh((2,), _die_on_rank_one, timeout=20)
 
 
