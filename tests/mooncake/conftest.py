@@ -22,6 +22,12 @@ def _skip_unless_available() -> None:
         pytest.skip(_REASON[0])
 
 
+@pytest.fixture
+def mooncake_available() -> None:
+    """Skips unless the services could run here (for tests that start their own)."""
+    _skip_unless_available()
+
+
 @pytest.fixture(scope="session")
 def mooncake_services() -> Iterator[MooncakeServices]:
     """A master + one 64 MiB client shared by the tests that do not break them."""

@@ -45,23 +45,22 @@ def test_corrupt_short_and_foreign_objects_are_misses(worker: NetnsWorker) -> No
     assert grown == {"checksum": 1, "foreign": 1, "length": 2}
 
 
-def test_second_process_reads_what_the_first_put(mooncake_services: MooncakeServices) -> None:
+def test_second_process_reads_what_the_first_put(
+    mooncake_services: MooncakeServices, worker: NetnsWorker
+) -> None:
+    # The shared ``worker`` (its own process and store client) is the reader.
     writer = NetnsWorker(mooncake_services, timeout=60)
-    reader = NetnsWorker(mooncake_services, timeout=60)
     try:
         writer.call(bodies.open_storage, mooncake_services.master_address)
         assert all(writer.call(bodies.put_pages, 21, "shared"))
         # The writer contributes no memory: its objects live in the mooncake_client and
         # outlive it.
         writer.call(bodies.close_storage)
-        writer.close()
-        reader.call(bodies.open_storage, mooncake_services.master_address)
-        out = reader.call(bodies.get_pages, 21, "shared")
-        assert all(out["get"]) and len(out["get"]) == 12
-        assert out["equal"] == {"kv": True, "mamba_conv": True, "mamba_ssm": True}
     finally:
         writer.close()
-        reader.close()
+    out = worker.call(bodies.get_pages, 21, "shared")
+    assert all(out["get"]) and len(out["get"]) == 12
+    assert out["equal"] == {"kv": True, "mamba_conv": True, "mamba_ssm": True}
 
 
 def test_full_store_drops_backups_without_raising(private_services: MooncakeServices) -> None:

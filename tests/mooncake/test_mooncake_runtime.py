@@ -1,0 +1,169 @@
+"""The runtime on Mooncake: two instances share L3, writer election on a mesh, master loss.
+
+Every run serves the same small multi-turn workload (2 sessions x 2 turns, 256-token
+first prompts); its shared prefixes are long enough (>= the 64-token prefetch
+threshold) to be prefetched from L3 by an instance whose L1/L2 are empty. Different
+tests use different ``--seed``s where they share a store, so no test sees another's
+objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.mooncake import runtime_bodies
+from tests.mooncake.services import MooncakeServices, NetnsWorker
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOAD = [
+    "--sessions", "2", "--turns", "2", "--first-prompt-len", "256", "--append-len", "32",
+    "--prefetch-threshold", "64",
+]  # fmt: skip
+# One torch thread per process: two cores, several processes at once.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _outputs(run: dict[str, Any]) -> list[list[int]]:
+    return [r["output_ids"] for r in run["requests"]]
+
+
+def _serve_argv(seed: int, *extra: str) -> list[str]:
+    return [*WORKLOAD, "--seed", str(seed), "--quiet", *extra]
+
+
+def test_second_runtime_instance_reads_shared_prefixes_from_mooncake(
+    mooncake_available: None, tmp_path: Path
+) -> None:
+    """Two ``python -m runtime.serve`` processes under ``scripts/mooncake_local.sh``."""
+    py = sys.executable
+    full = [py, "-m", "runtime.serve", "--cache", "full", "--storage", "mooncake"]
+    full += ["--mooncake-master", "@MASTER@", *_serve_argv(1)]
+    # The script exports MOONCAKE_MASTER; the shell inside it expands it.
+    line = " ".join(shlex.quote(a) for a in full).replace("@MASTER@", '"$MOONCAKE_MASTER"')
+    first = f"{line} --json {shlex.quote(str(tmp_path / 'first.json'))}"
+    second = f"{line} --json {shlex.quote(str(tmp_path / 'second.json'))}"
+    # The cache-off baseline needs no store: it runs beside the script.
+    off = subprocess.Popen(
+        [py, "-m", "runtime.serve", "--cache", "off", *_serve_argv(1)]
+        + ["--json", str(tmp_path / "off.json")],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        script = subprocess.run(
+            [str(REPO / "scripts" / "mooncake_local.sh"), "--segment", str(64 << 20), "--"]
+            + ["sh", "-c", f"{first} && {second}"],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert off.wait(timeout=120) == 0
+    finally:
+        if off.poll() is None:
+            off.kill()
+            off.wait()
+    assert script.returncode == 0, script.stderr[-4000:]
+    runs = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("off", "first", "second")}
+    first_stats, second_stats = runs["first"]["cache_stats"], runs["second"]["cache_stats"]
+    # The first instance found nothing in L3 and backed its pages up.
+    assert runs["first"]["summary"]["cached_storage"] == 0
+    assert first_stats["storage_put_objects"] > 0
+    assert first_stats["storage_put_dropped"] == 0
+    # The second started empty (a new process): its first turns came from Mooncake.
+    assert runs["second"]["summary"]["cached_storage"] > 0
+    for r in runs["second"]["requests"]:
+        if r["turn"] == 0:
+            assert r["cached"]["storage"] >= 64, f"first turn of session {r['session']}: {r}"
+    assert second_stats["bytes_storage_to_host"] > 0
+    assert not first_stats["storage_degraded"] and not second_stats["storage_degraded"]
+    assert _outputs(runs["first"]) == _outputs(runs["off"])
+    assert _outputs(runs["second"]) == _outputs(runs["off"])
+
+
+def test_mesh_only_elected_writers_put_and_every_rank_reads(
+    mooncake_services: MooncakeServices,
+) -> None:
+    """pp=1, cp=2, tp=2 with replicated CP KV: cp rank 0 writes each tp shard, both read."""
+    argv = ["--cache", "full", "--storage", "mooncake"]
+    argv += ["--mooncake-master", mooncake_services.master_address]
+    argv += [*WORKLOAD, "--first-prompt-len", "128", "--seed", "2"]
+    w = NetnsWorker(mooncake_services, timeout=240)
+    try:
+        first = w.call(runtime_bodies.serve_mesh, (1, 2, 2), argv)
+        second = w.call(runtime_bodies.serve_mesh, (1, 2, 2), argv)
+    finally:
+        w.close()
+    by_coords = {tuple(r["coords"]): r for r in first}
+    assert set(by_coords) == {(0, c, t) for c in range(2) for t in range(2)}
+    for (_, cp, tp), r in by_coords.items():
+        peer = by_coords[(0, 1 - cp, tp)]
+        assert not r["degraded"] and r["storage_put_dropped"] == 0
+        for name, region in r["regions"].items():
+            # Replicated over cp: both cp ranks hold the same shard (same tag), cp 0 writes.
+            assert region["tag"] == peer["regions"][name]["tag"]
+            assert region["writer"] == (cp == 0), (r["coords"], name)
+            assert region["stored"] > 0, f"{r['coords']} {name}: no object of its shard"
+            assert region["stored"] == peer["regions"][name]["stored"]
+        stored = sum(region["stored"] for region in r["regions"].values())
+        # The writer stored exactly the objects of its shards; the other rank never tried.
+        if cp == 0:
+            assert r["puts"] == stored, (r["coords"], r["puts"], stored)
+        else:
+            assert r["put_attempts"] == 0 and r["storage_put_objects"] == 0, r
+    # tp splits the heads: the two tp ranks own different shards.
+    tags = {tp: by_coords[(0, 0, tp)]["regions"]["kv"]["tag"] for tp in range(2)}
+    assert tags[0] != tags[1]
+    # New processes, empty L1/L2: every rank reads its own shard of the shared prefixes.
+    for r in second:
+        assert r["hit_tokens_storage"] > 0, r["coords"]
+        assert r["get_hits"] > 0 and r["bytes_storage_to_host"] > 0, r["coords"]
+        assert r["outputs"] == first[0]["outputs"]
+        assert r["cached_storage"] == second[0]["cached_storage"]
+
+
+def test_master_killed_mid_run_keeps_serving_from_l1_l2(
+    private_services: MooncakeServices, tmp_path: Path
+) -> None:
+    """SIGKILL the master after the first request; the run finishes on L1 + L2."""
+    assert private_services.master is not None
+    w = NetnsWorker(private_services, timeout=180)
+    try:
+        off = w.call(
+            runtime_bodies.serve_cli,
+            ["--cache", "off", *_serve_argv(3)],
+            str(tmp_path / "off.json"),
+        )
+        argv = ["--cache", "full", "--storage", "mooncake"]
+        argv += ["--mooncake-master", private_services.master_address]
+        argv += [*WORKLOAD, "--seed", "3", "--log-every", "1"]
+        run = w.call(
+            runtime_bodies.serve_cli,
+            argv,
+            str(tmp_path / "full.json"),
+            kill_master_pid=private_services.master.pid,
+            kill_after=1,
+            master_address=private_services.master_address,
+        )
+    finally:
+        w.close()
+    assert run["killed_at"] == 1, "the master was not killed after the first request"
+    assert private_services.master.poll() is not None
+    assert len(run["requests"]) == 4
+    assert _outputs(run) == _outputs(off)
+    stats = run["cache_stats"]
+    assert stats["storage_degraded"]
+    assert stats["storage_errors"] >= 1
+    assert run["summary"]["cached_storage"] == 0
+    # The second turns still hit: their sessions' prefixes come from L1/L2.
+    for r in run["requests"]:
+        if r["turn"] == 1:
+            assert r["cached"]["device"] + r["cached"]["host"] > 0, r
