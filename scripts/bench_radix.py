@@ -13,10 +13,11 @@ host pool), and of draining the tree by eviction.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from collections.abc import Callable
+
+import bench_common
 
 from mesh_hicache.radix import RadixKey, RadixTree, TreeNode
 
@@ -183,8 +184,8 @@ def main() -> None:
     for k, v in result.items():
         print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        bench_common.write_json(bench_common.make_result("radix", config, result), args.json)
 
 
 if __name__ == "__main__":
