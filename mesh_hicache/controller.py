@@ -133,13 +133,16 @@ class HiCacheController:
             tenant=config.tenant,
         )
         self.storage: StorageBackend | None = None
-        self._io: ThreadPoolExecutor | None = None
+        # Writes and reads get one thread each, so a prefetch never queues behind backups.
+        self._writer: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
         if config.storage != "none":
             assert self.host is not None
             self.storage = open_storage(config.storage, **config.storage_options)
             for region in self._regions(paged=None):
                 self.storage.register_buffer(self.host.local(region.name))
-            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-storage")
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-write")
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-read")
         self._backups: deque[_Backup] = deque()
         self._writes: deque[_StorageWrite] = deque()
 
@@ -220,7 +223,8 @@ class HiCacheController:
         self._free(self.tree.evict_device(n, before_evict=before))
 
     def _evict_device_slots(self, n: int) -> None:
-        self._free(self.tree.evict_mamba_device(n))
+        before = self._write_back if self.config.write_policy == "write_back" else None
+        self._free(self.tree.evict_mamba_device(n, before_evict=before))
 
     def _evict_host_pages(self, n: int) -> None:
         self._free(self.tree.evict_host(n))
@@ -329,9 +333,9 @@ class HiCacheController:
             self._undo_backup(b)
             return
         self.stats.bytes_device_to_host += b.num_bytes
-        if self.storage is not None and self._io is not None:
+        if self.storage is not None and self._writer is not None:
             keys, rows = self._storage_items(b.nodes)
-            future = self._io.submit(self._put, keys, rows)
+            future = self._writer.submit(self._put, keys, rows)
             self._writes.append(_StorageWrite(future, b.nodes))
             return
         for n in b.nodes:
@@ -432,46 +436,61 @@ class HiCacheController:
         )
 
     def start_prefetch(self, key: RadixKey, start_page: int, num_pages: int) -> Prefetch | None:
-        """Reserve host pages (agreed) and start reading ``num_pages`` pages from L3."""
+        """Reserve host pages and a slot (agreed) and start reading ``num_pages`` KV pages
+        from L3 in the background, then the state at their end."""
         got = self.try_alloc_host(num_pages, 1 if self.spec.has_mamba else 0)
         if got is None:
             self.stats.prefetch_skipped_host_full += 1
             return None
-        assert self._io is not None
+        assert self._reader is not None
         pages, slots = got
         hashes = key.page_hashes(self.page_size)[start_page : start_page + num_pages]
         job = Prefetch(key, start_page, num_pages, pages, slots[0] if slots else None, hashes)
-        self._io.submit(self._run_prefetch, job)
+        self._reader.submit(self._run_prefetch, job)
         return job
 
     def _run_prefetch(self, job: Prefetch) -> None:
-        assert self.storage is not None and self.host is not None
         try:
             for lo in range(0, job.num_pages, PREFETCH_BATCH_PAGES):
                 if job.cancel.is_set():
                     return
                 hi = min(lo + PREFETCH_BATCH_PAGES, job.num_pages)
-                keys: list[StorageKey] = []
-                rows: list[torch.Tensor] = []
-                for region in self._regions(paged=True):
-                    for i in range(lo, hi):
-                        keys.append(self._key(region, job.hashes[i]))
-                        rows.append(self.host.row(region.name, job.host_pages[i]))
-                flags = self.storage.get(keys, rows) if keys else []
-                self._count_read(rows, flags)
-                if not all(flags):
+                job.pages_done = lo + self._read_pages(job, lo, hi)
+                if job.pages_done < hi:
                     return
-                job.pages_done = hi
-            if job.host_slot is not None:
-                keys = [self._key(r, job.hashes[-1]) for r in self._regions(paged=False)]
-                rows = [self.host.row(r.name, job.host_slot) for r in self._regions(paged=False)]
-                flags = self.storage.get(keys, rows) if keys else []
-                self._count_read(rows, flags)
-                job.state_ok = all(flags)
-            else:
-                job.state_ok = True
+            job.state_ok = self._read_state(job, job.num_pages)
         finally:
             job.finished.set()
+
+    def _read_pages(self, job: Prefetch, lo: int, hi: int) -> int:
+        """Read pages ``[lo, hi)`` of every paged region; returns how many leading pages
+        arrived whole (all regions)."""
+        assert self.storage is not None and self.host is not None
+        keys: list[StorageKey] = []
+        rows: list[torch.Tensor] = []
+        regions = self._regions(paged=True)
+        for region in regions:
+            for i in range(lo, hi):
+                keys.append(self._key(region, job.hashes[i]))
+                rows.append(self.host.row(region.name, job.host_pages[i]))
+        if not keys:
+            return hi - lo
+        flags = self.storage.get(keys, rows)
+        self._count_read(rows, flags)
+        whole = [all(flags[r * (hi - lo) + i] for r in range(len(regions))) for i in range(hi - lo)]
+        return whole.index(False) if False in whole else hi - lo
+
+    def _read_state(self, job: Prefetch, pages: int) -> bool:
+        """Read the state stored at the end of page ``pages`` into the job's host slot."""
+        assert self.storage is not None and self.host is not None
+        if job.host_slot is None:
+            return True
+        regions = self._regions(paged=False)
+        keys = [self._key(r, job.hashes[pages - 1]) for r in regions]
+        rows = [self.host.row(r.name, job.host_slot) for r in regions]
+        flags = self.storage.get(keys, rows) if keys else []
+        self._count_read(rows, flags)
+        return all(flags)
 
     def _count_read(self, rows: list[torch.Tensor], flags: list[bool]) -> None:
         nbytes = sum(r.numel() * r.element_size() for r, ok in zip(rows, flags, strict=True) if ok)
@@ -483,19 +502,24 @@ class HiCacheController:
         """Abandon a prefetch (its request was aborted): stop it and free its reservation.
 
         Every rank abandons the same request, so no agreement is needed."""
-        assert self.host is not None
         job.cancel.set()
         job.finished.wait()
-        self.host.page_allocator.free(job.host_pages)
-        if job.host_slot is not None:
-            self.host.slot_allocator.free([job.host_slot])
+        self._free_prefetch(job, 0)
         self.stats.record_prefetch(self.config.prefetch_policy, "aborted")
+
+    def _free_prefetch(self, job: Prefetch, keep_pages: int) -> None:
+        assert self.host is not None
+        self.host.page_allocator.free(job.host_pages[keep_pages:])
+        if job.host_slot is not None and keep_pages == 0:
+            self.host.slot_allocator.free([job.host_slot])
 
     def finish_prefetch(self, job: Prefetch) -> int:
         """Apply the stop policy, agree on what arrived and insert it host-only.
 
-        Returns the tokens now cached (on host) beyond the job's start; 0 if anything
-        was missing on any rank (all or nothing: KV without its state is useless here).
+        The kept prefix ends at the deepest page boundary that every rank has the KV up
+        to and a state at (DESIGN.md section 5): a prefetch that got KV but no state
+        there is cut back to a shallower stored state, or to nothing. Returns the tokens
+        now on host beyond the job's start. Collective (1 or 2 agreements).
         """
         policy = self.config.prefetch_policy
         if policy == "wait_complete":
@@ -510,26 +534,38 @@ class HiCacheController:
         job.cancel.set()
         job.finished.wait()  # at most one batch more: the pages must not change under us
         complete = job.pages_done == job.num_pages and job.state_ok
-        assert self.host is not None
-        if not self.agree.all_true(complete):
-            self.host.page_allocator.free(job.host_pages)
-            if job.host_slot is not None:
-                self.host.slot_allocator.free([job.host_slot])
-            self.stats.record_prefetch(policy, "partial" if job.pages_done else "aborted")
+        local = job.num_pages if complete else self._deepest_state(job, job.pages_done)
+        pages = self.agree.min(local)
+        if pages:
+            ok = complete if pages == job.num_pages else self._read_state(job, pages)
+            if not self.agree.all_true(ok):
+                pages = 0
+        outcome = "completed" if pages == job.num_pages else "partial" if pages else "aborted"
+        self.stats.record_prefetch(policy, outcome)
+        self._free_prefetch(job, pages)
+        if not pages:
             return 0
-        end = (job.start_page + job.num_pages) * self.page_size
+        end = (job.start_page + pages) * self.page_size
         prefix = RadixKey(job.key.tokens[:end], job.key.namespace)
         result = self.tree.insert(
             prefix,
-            host_indices=job.host_pages,
+            host_indices=job.host_pages[:pages],
             host_first_page=job.start_page,
             mamba_host_slot=job.host_slot,
         )
+        assert self.host is not None
         self.host.page_allocator.free(result.unused_host_indices)
         if job.host_slot is not None and not result.mamba_host_taken:
             self.host.slot_allocator.free([job.host_slot])
-        self.stats.record_prefetch(policy, "completed")
-        return job.num_pages * self.page_size
+        return pages * self.page_size
+
+    def _deepest_state(self, job: Prefetch, pages: int) -> int:
+        """Deepest boundary within the first ``pages`` read pages that has a stored state."""
+        if not self.spec.has_mamba or self.storage is None:
+            return pages
+        while pages > 0 and not self._state_exists(job.hashes[pages - 1]):
+            pages -= 1
+        return pages
 
     # -- host -> device load ----------------------------------------------------------------
 
@@ -635,9 +671,10 @@ class HiCacheController:
         self.flush()
         if self.engine is not None:
             self.engine.close()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
+        for pool in (self._writer, self._reader):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._writer = self._reader = None
         if self.storage is not None:
             self.storage.close()
             self.storage = None

@@ -355,16 +355,24 @@ class RadixTree:
                 self._remove(node, freed)
         return freed.result()
 
-    def evict_mamba_device(self, num_slots: int) -> EvictResult:
+    def evict_mamba_device(
+        self, num_slots: int, before_evict: Callable[[TreeNode], None] | None = None
+    ) -> EvictResult:
         """Free at least ``num_slots`` device Mamba slots of unlocked nodes if possible.
-        A node left without a state on any tier is a tombstone; a childless one is
-        removed with its pages, and so are childless tombstone ancestors. Mutates.
+        A victim whose state has no host copy is first offered to ``before_evict(node)``
+        (write-back: the callback backs it up and calls ``set_mamba_host``). A node left
+        without a state on any tier is a tombstone; a childless one is removed with its
+        pages, and so are childless tombstone ancestors. Mutates.
         """
         freed = _Freed()
         while len(freed.mamba_device) < num_slots:
             node = self._pop(EvictTarget.MAMBA_DEVICE)
             if node is None:
                 break
+            if node.mamba_host_slot is None and before_evict is not None:
+                before_evict(node)
+                if not (node.alive and self._is_candidate(node, EvictTarget.MAMBA_DEVICE)):
+                    continue
             freed.mamba_device.append(self.clear_mamba_device(node))
             self._after_state_loss(node, freed)
         return freed.result()

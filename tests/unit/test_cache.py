@@ -442,3 +442,38 @@ def test_raising_backend_degrades_to_l1_l2(make_cache, tmp_path):
     assert stats.storage_degraded and stats.storage_errors >= 1
     assert stats.hit_tokens_storage == 0
     cache.check_integrity()
+
+
+def test_partial_prefetch_stops_at_the_deepest_stored_state(make_cache, tmp_path):
+    # KV of page 3 is unreadable (corrupt): the read stops after page 2, where a state
+    # is stored, so the prefetch keeps 8 tokens instead of nothing.
+    root = tmp_path / "l3"
+    writer = make_cache(root)
+    serve(writer, A, checkpoints=(2, 3))
+    writer.close()
+    path = _object_path(root, "kv", hashes_of(A)[2])
+    path.write_bytes(path.read_bytes()[:-1] + b"\x00")
+    cache = make_cache(root)
+    poison_free_device(cache)
+    got = serve(cache, A)
+    assert got.hit.storage_tokens == 12  # existence said 3 pages...
+    assert got.prefix == 8 and got.served == (0, 0, 8) and got.mismatches == 0  # ...2 arrived
+    assert cache.stats().prefetch["partial"] == 1
+    cache.flush()
+    cache.check_integrity()
+
+
+def test_write_back_keeps_states_evicted_from_device(make_cache):
+    # One device state slot: serving B evicts A's device state; write-back copies it to
+    # host first, so A still hits (KV and state from host) instead of losing its state.
+    cache = make_cache(write_policy="write_back", device_mamba_slots=1)
+    serve(cache, A)
+    serve(cache, B)
+    cache.flush()
+    node = node_of(cache, A)
+    assert node.mamba_device_slot is None and node.mamba_host_slot is not None
+    poison_free_device(cache)
+    got = serve(cache, A)
+    assert got.prefix == 12 and got.mismatches == 0
+    cache.flush()
+    cache.check_integrity()
