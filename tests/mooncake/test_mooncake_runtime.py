@@ -1,4 +1,4 @@
-"""The runtime on Mooncake: two instances share L3, writer election on a mesh, master loss.
+"""The runtime on Mooncake: two instances share L3, writer election on a mesh, faults.
 
 Every run serves the same small multi-turn workload (2 sessions x 2 turns, 256-token
 first prompts); its shared prefixes are long enough (>= the 64-token prefetch
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.mooncake import runtime_bodies
+from tests.mooncake import bodies, runtime_bodies
 from tests.mooncake.services import MooncakeServices, NetnsWorker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +44,11 @@ def test_second_runtime_instance_reads_shared_prefixes_from_mooncake(
     py = sys.executable
     full = [py, "-m", "runtime.serve", "--cache", "full", "--storage", "mooncake"]
     full += ["--mooncake-master", "@MASTER@", *_serve_argv(1)]
+    # A file where the file backend's root directory would be: if --storage mooncake
+    # silently fell back to the file backend, L3 would fail and the second run miss.
+    decoy = tmp_path / "not-a-directory"
+    decoy.write_text("x")
+    full += ["--storage-root", str(decoy)]
     # The script exports MOONCAKE_MASTER; the shell inside it expands it.
     line = " ".join(shlex.quote(a) for a in full).replace("@MASTER@", '"$MOONCAKE_MASTER"')
     first = f"{line} --json {shlex.quote(str(tmp_path / 'first.json'))}"
@@ -130,11 +135,15 @@ def test_mesh_only_elected_writers_put_and_every_rank_reads(
         assert r["cached_storage"] == second[0]["cached_storage"]
 
 
-def test_master_killed_mid_run_keeps_serving_from_l1_l2(
+def test_full_store_then_master_killed_mid_run_keep_serving(
     private_services: MooncakeServices, tmp_path: Path
 ) -> None:
-    """SIGKILL the master after the first request; the run finishes on L1 + L2."""
+    """Runtime-level faults on a 16 MiB store: first full (backups dropped), then the
+    master SIGKILLed after the first request (L3 degraded). Both runs finish with the
+    cache-off outputs."""
     assert private_services.master is not None
+    full_argv = ["--cache", "full", "--storage", "mooncake"]
+    full_argv += ["--mooncake-master", private_services.master_address, *WORKLOAD, "--seed", "3"]
     w = NetnsWorker(private_services, timeout=180)
     try:
         off = w.call(
@@ -142,28 +151,42 @@ def test_master_killed_mid_run_keeps_serving_from_l1_l2(
             ["--cache", "off", *_serve_argv(3)],
             str(tmp_path / "off.json"),
         )
-        argv = ["--cache", "full", "--storage", "mooncake"]
-        argv += ["--mooncake-master", private_services.master_address]
-        argv += [*WORKLOAD, "--seed", "3", "--log-every", "1"]
-        run = w.call(
+        # Pack the store: 48 KiB objects, then 4 KiB ones into what is left (the
+        # smallest runtime object is a 4 KiB KV page). They live in the mooncake_client.
+        w.call(bodies.open_storage, private_services.master_address)
+        packed = [
+            w.call(bodies.fill, tag, 400, size) for tag, size in (("a", 48 << 10), ("b", 4 << 10))
+        ]
+        w.call(bodies.close_storage)
+        filled = w.call(
+            runtime_bodies.serve_cli, [*full_argv, "--quiet"], str(tmp_path / "filled.json")
+        )
+        killed = w.call(
             runtime_bodies.serve_cli,
-            argv,
-            str(tmp_path / "full.json"),
+            [*full_argv, "--log-every", "1"],
+            str(tmp_path / "killed.json"),
             kill_master_pid=private_services.master.pid,
             kill_after=1,
             master_address=private_services.master_address,
         )
     finally:
         w.close()
-    assert run["killed_at"] == 1, "the master was not killed after the first request"
+    assert all(0 < sum(p["flags"]) < 400 for p in packed), "the store was not filled"
+
+    stats = filled["cache_stats"]
+    assert stats["storage_put_dropped"] > 0, "a full store must drop backups"
+    assert stats["storage_errors"] == 0 and not stats["storage_degraded"]
+    assert _outputs(filled) == _outputs(off)
+
+    assert killed["killed_at"] == 1, "the master was not killed after the first request"
     assert private_services.master.poll() is not None
-    assert len(run["requests"]) == 4
-    assert _outputs(run) == _outputs(off)
-    stats = run["cache_stats"]
+    assert len(killed["requests"]) == 4
+    assert _outputs(killed) == _outputs(off)
+    stats = killed["cache_stats"]
     assert stats["storage_degraded"]
     assert stats["storage_errors"] >= 1
-    assert run["summary"]["cached_storage"] == 0
+    assert killed["summary"]["cached_storage"] == 0
     # The second turns still hit: their sessions' prefixes come from L1/L2.
-    for r in run["requests"]:
+    for r in killed["requests"]:
         if r["turn"] == 1:
             assert r["cached"]["device"] + r["cached"]["host"] > 0, r
