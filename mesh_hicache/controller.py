@@ -330,6 +330,10 @@ class HiCacheController:
             self.tree.unlock(n)
         if not ok:
             self.stats.backup_failures += 1
+            logger.warning(
+                "device -> host backup failed (%s); its host copies are dropped",
+                b.handle.error or "on another rank",
+            )
             self._undo_backup(b)
             return
         self.stats.bytes_device_to_host += b.num_bytes
@@ -350,7 +354,7 @@ class HiCacheController:
         for n in b.nodes:
             for m in self.tree.nodes_on_path(n):
                 if m.host_indices is not None and set(m.host_indices) <= pages:
-                    self.host.page_allocator.free(self.tree.clear_host(m))
+                    self.host.page_allocator.free(self.tree.clear_host(m, invalid=True))
                 if m.mamba_host_slot is not None and m.mamba_host_slot in slots:
                     self.host.slot_allocator.free([self.tree.clear_mamba_host(m)])
 

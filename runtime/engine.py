@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mesh_hicache.cache import CachedRequest, HiCache
+from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
 from runtime.model import HybridModel, SeqState
 from runtime.model.parallel import kv_shard_positions
 from runtime.workloads import Turn
@@ -137,9 +137,12 @@ class Engine:
             state = model.new_state()
         hit, cached = req.hit, req.served
         total_pages = -(-(len(prompt) + self.max_new_tokens) // ps)
-        pages = req.prefix_pages[: prefix // ps] + cache.alloc_pages(
-            req, total_pages - prefix // ps
-        )
+        pages: list[int] | None = None
+        try:
+            new = cache.alloc_pages(req, total_pages - prefix // ps)
+            pages = req.prefix_pages[: prefix // ps] + new
+        except CacheFull:
+            pass  # Longer than L1 can hold (agreed on every rank): serve it uncached.
         # Checkpoints inside the prompt: where it branched off a stateless KV path, and the
         # last page boundary. Prefill is split there so the state can be captured.
         stops = set()
@@ -155,9 +158,13 @@ class Engine:
         for stop in sorted(stops):
             logits = model.prefill(tokens[pos:stop], state)
             pos = stop
-            if stop % ps == 0 and cache.spec.has_mamba:
-                checkpoints.append(self._checkpoint(req, state))
+            if stop % ps == 0 and cache.spec.has_mamba and pages is not None:
+                checkpoint = self._checkpoint(req, state)
+                if checkpoint is not None:
+                    checkpoints.append(checkpoint)
         ttft = time.perf_counter() - t0
+        if pages is None:
+            return self._decode(prompt, state, logits, ttft, None, cached)
         self._write_kv(state, pages, prefix, len(prompt))
         for cp in checkpoints:
             cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
@@ -188,9 +195,13 @@ class Engine:
         state.num_tokens = n
         return state
 
-    def _checkpoint(self, req: CachedRequest, state: SeqState) -> _Checkpoint:
+    def _checkpoint(self, req: CachedRequest, state: SeqState) -> _Checkpoint | None:
+        """Write the state to a new device slot; None when every slot is in use."""
         assert self.cache is not None
-        slot = self.cache.alloc_slot(req)
+        try:
+            slot = self.cache.alloc_slot(req)
+        except CacheFull:
+            return None
         self._write_state(state, slot)
         return _Checkpoint(state.num_tokens, slot)
 

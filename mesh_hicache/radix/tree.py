@@ -399,12 +399,16 @@ class RadixTree:
         assert idx is not None
         self._set_host(node, idx)
 
-    def clear_host(self, node: TreeNode) -> tuple[int, ...]:
-        """Drop the host copy of a node that also has a device copy; returns its pages."""
+    def clear_host(self, node: TreeNode, invalid: bool = False) -> tuple[int, ...]:
+        """Drop the host copy of a node that also has a device copy; returns its pages.
+
+        ValueError if the node is host-protected, unless ``invalid``: the host copy never
+        held valid data (its backup failed), so no reader can be relying on it.
+        """
         self._check_node(node)
         if node.host_indices is None or node.device_indices is None:
             raise ValueError(f"clear_host: {node!r} needs both a host and a device copy")
-        if node.host_ref > 0:
+        if node.host_ref > 0 and not invalid:
             raise ValueError(f"clear_host: {node!r} is host-protected")
         return self._clear_host(node)
 

@@ -3,6 +3,7 @@ corrupt/foreign objects, aborted requests, and leak checks after a random run.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
@@ -476,4 +477,28 @@ def test_write_back_keeps_states_evicted_from_device(make_cache):
     got = serve(cache, A)
     assert got.prefix == 12 and got.mismatches == 0
     cache.flush()
+    cache.check_integrity()
+
+
+def test_failed_backup_drops_its_host_copies_under_an_open_request(make_cache):
+    # A is on device only (write-back). A request extending A matches (and host-protects)
+    # A's path; under write-through its insert backs up A and the extension, and that
+    # copy fails. Consuming the failure while the request is still open must drop the
+    # half-written host copies without tripping over the request's protection.
+    cache = make_cache(write_policy="write_back")
+    serve(cache, A)
+    cache.ctl.config = dataclasses.replace(cache.ctl.config, write_policy="write_through")
+    cache.config = cache.ctl.config
+    longer = A + list(range(500, 504))
+    req = cache.match(longer)
+    cache.load(req)
+    assert cache.finish_load(req) == 12
+    pages = req.prefix_pages + cache.alloc_pages(req, 1)
+    cache.ctl.engine.fail_next()
+    cache.insert(req, longer, pages)
+    cache.flush()  # consumes the failed backup while req holds A's path
+    assert node_of(cache, A).host_indices is None
+    assert node_of(cache, longer).host_indices is None
+    assert cache.stats().backup_failures == 1
+    cache.release(req)
     cache.check_integrity()

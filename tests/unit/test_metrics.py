@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import sys
 
 import pytest
 
@@ -115,7 +116,8 @@ def test_exporter_rejects_labels_that_clash() -> None:
         CacheStatsCollector(CacheStats, {"tier": "x"})
 
 
-@pytest.mark.skipif(HAS_PROMETHEUS, reason="checks the message shown without prometheus-client")
-def test_without_prometheus_the_error_names_the_extra() -> None:
+def test_without_prometheus_the_error_names_the_extra(monkeypatch) -> None:
+    for name in ("prometheus_client", "prometheus_client.core"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now fails
     with pytest.raises(ImportError, match="prometheus"):
         CacheStatsCollector(CacheStats)
