@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
+from mesh_hicache.cache import HiCache
+from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.topology import MeshTopology
-from tests.engine_cases import ATOL, resume_scenarios
+from runtime.engine import Engine
+from runtime.model import HybridModel
+from runtime.model.config import preset
+from tests.engine_cases import ATOL, PAGE, resume_scenarios
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +27,18 @@ def test_resume_from_every_tier_equals_recompute(topology, tmp_path):
         assert c.max_diff < ATOL, f"{c.label}: logits differ by {c.max_diff}"
         assert c.tokens_equal, c.label
     assert {c.tier for c in checks} == {"device", "host", "storage"}
+
+
+def test_prompt_longer_than_l1_is_served_uncached(topology):
+    # 4 device pages hold 64 tokens; a 100-token prompt cannot be paged, so the engine
+    # serves it without the cache (agreed CacheFull) and the output still matches.
+    config = preset("tiny")
+    model = HybridModel(config, topology, page_size=PAGE)
+    cache = HiCache(topology, config.state_spec(PAGE), HiCacheConfig(device_pages=4))
+    prompt = list(range(1, 101))
+    got = Engine(model, cache, max_new_tokens=4, keep_logits=True).serve(prompt)
+    want = Engine(model, None, max_new_tokens=4, keep_logits=True).serve(prompt)
+    assert got.output_ids == want.output_ids and got.cached == 0
+    assert cache.tree.num_nodes == 0  # nothing was inserted
+    cache.check_integrity()
+    cache.close()
