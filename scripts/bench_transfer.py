@@ -9,11 +9,11 @@ run, on the same device pair (CPU: memory to memory; CUDA: device <-> pinned hos
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
 
+import bench_common
 import torch
 
 from mesh_hicache.layout import StateLayout
@@ -122,8 +122,10 @@ def main() -> None:
         f"{args.pages} pages x {result['page_bytes']} B = {nbytes / 2**20:.0f} MiB, {engine.kind}"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        out = bench_common.make_result("transfer", config, result)
+        out.update(result)  # the flat keys (backup_gbps, ...) stay at the top too
+        bench_common.write_json(out, args.json)
 
 
 if __name__ == "__main__":
