@@ -338,25 +338,36 @@ class HiCacheController:
             return
         self.stats.bytes_device_to_host += b.num_bytes
         if self.storage is not None and self._writer is not None:
-            keys, rows = self._storage_items(b.nodes)
+            keys, rows = self._storage_items(self._holders(b))
             future = self._writer.submit(self._put, keys, rows)
             self._writes.append(_StorageWrite(future, b.nodes))
             return
         for n in b.nodes:
             self.tree.release_host(n)
 
+    def _holders(self, b: _Backup) -> list[TreeNode]:
+        """The nodes holding ``b``'s host pages or slots now: a node split while the copy
+        was in flight holds them in two parts, both on the path of the original."""
+        pages, slots = set(b.host_pages), set(b.host_slots)
+        found: dict[int, TreeNode] = {}
+        for n in b.nodes:
+            for m in self.tree.nodes_on_path(n):
+                kv = m.host_indices is not None and set(m.host_indices) <= pages
+                if kv or m.mamba_host_slot in slots:
+                    found[m.id] = m
+        return list(found.values())
+
     def _undo_backup(self, b: _Backup) -> None:
         """A backup failed on some rank: drop its host copies everywhere."""
         assert self.host is not None
-        pages, slots = set(b.host_pages), set(b.host_slots)
         for n in b.nodes:
             self.tree.release_host(n)
-        for n in b.nodes:
-            for m in self.tree.nodes_on_path(n):
-                if m.host_indices is not None and set(m.host_indices) <= pages:
-                    self.host.page_allocator.free(self.tree.clear_host(m, invalid=True))
-                if m.mamba_host_slot is not None and m.mamba_host_slot in slots:
-                    self.host.slot_allocator.free([self.tree.clear_mamba_host(m)])
+        pages, slots = set(b.host_pages), set(b.host_slots)
+        for m in self._holders(b):
+            if m.host_indices is not None and set(m.host_indices) <= pages:
+                self.host.page_allocator.free(self.tree.clear_host(m, invalid=True))
+            if m.mamba_host_slot in slots:
+                self.host.slot_allocator.free([self.tree.clear_mamba_host(m)])
 
     def flush(self) -> None:
         """Wait for every backup and storage write on every rank and consume them."""
