@@ -40,7 +40,9 @@ client_bin=$(find_bin mooncake_client) || { echo "mooncake_client not found" >&2
 if command -v ip >/dev/null; then
   ip link set lo up
 else
-  python3 -c 'import fcntl, socket, struct
+  py=python3
+  [ -x "$bin_dir/python" ] && py=$bin_dir/python
+  "$py" -c 'import fcntl, socket, struct
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 f = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0))[:18])[1]
 fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", f | 1))'

@@ -10,7 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.mooncake.services import MooncakeServices, NetnsWorker, unavailable_reason
+from tests.mooncake.services import (
+    NO_EVICTION,
+    MooncakeServices,
+    NetnsWorker,
+    unavailable_reason,
+)
 
 _REASON: list[str | None] = []
 
@@ -54,9 +59,12 @@ def worker(mooncake_services: MooncakeServices) -> Iterator[NetnsWorker]:
 
 @pytest.fixture
 def private_services() -> Iterator[MooncakeServices]:
-    """Services of one test (16 MiB store, the smallest a client takes): to fill or kill."""
+    """Services of one test (16 MiB store, the smallest a client takes): to fill or kill.
+
+    Eviction is off, so a filled store stays full (see ``NO_EVICTION``).
+    """
     _skip_unless_available()
-    services = MooncakeServices(segment_bytes=16 << 20).start()
+    services = MooncakeServices(segment_bytes=16 << 20, master_flags=NO_EVICTION).start()
     try:
         yield services
     finally:

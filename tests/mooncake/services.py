@@ -38,6 +38,9 @@ CLONE_NEWNET = 0x40000000
 MASTER_PORT = 50051
 CLIENT_PORT = 50052
 MASTER_ADDRESS = f"127.0.0.1:{MASTER_PORT}"
+NO_EVICTION = ("--eviction_high_watermark_ratio=1.0", "--eviction_ratio=0.0")
+"""Master flags that keep a full store full: by default the master evicts 5% of the
+objects once usage passes 90% or a put finds no space, which makes "full" transient."""
 
 # Runs in the holder: its own network namespace, loopback up (SIOCSIFFLAGS |= IFF_UP),
 # then it waits for its stdin to close, so it also ends if the test process dies.
@@ -74,8 +77,9 @@ def unavailable_reason() -> str | None:
         )
     if _bin("mooncake_master") is None or _bin("mooncake_client") is None:
         return "needs the mooncake_master and mooncake_client executables on PATH"
-    if shutil.which("nsenter") is None:
-        return "needs nsenter (util-linux) to enter the private network namespace"
+    for tool in ("nsenter", "unshare"):  # unshare: scripts/mooncake_local.sh
+        if shutil.which(tool) is None:
+            return f"needs {tool} (util-linux) for the private network namespace"
     if os.geteuid() != 0:
         return "needs root to create a private network namespace (unshare -n); not root"
     probe = subprocess.run(
@@ -101,6 +105,8 @@ class MooncakeServices:
     segment_bytes: int = 64 << 20
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mooncake-")))
     startup_timeout: float = 30.0
+    master_flags: tuple[str, ...] = ()
+    """Extra ``mooncake_master`` flags, e.g. ``NO_EVICTION``."""
     holder: subprocess.Popen[str] | None = None
     master: subprocess.Popen[bytes] | None = None
     client: subprocess.Popen[bytes] | None = None
@@ -177,6 +183,7 @@ class MooncakeServices:
                 "--metrics_host=127.0.0.1",
                 "--enable_metric_reporting=false",
                 "--logtostderr",
+                *self.master_flags,
             ],
             "master.log",
         )
