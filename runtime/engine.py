@@ -86,6 +86,10 @@ class Engine:
     keep_logits: bool = False
     histories: dict[int, list[int]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
     def run(self, trace: Sequence[Turn], progress: object = None) -> list[RequestResult]:
         """Serve a whole trace; each turn's prompt is its session's history + user tokens."""
         results = []

@@ -30,7 +30,7 @@ from runtime.engine import Engine, RequestResult
 from runtime.launch import LaunchError, add_mesh_args, init_mesh
 from runtime.model import HybridModel
 from runtime.model.config import DTYPES, PRESETS, preset
-from runtime.workloads import WORKLOADS, make_workload
+from runtime.workloads import WORKLOADS, Turn, make_workload
 
 CACHE_MODES = ("off", "device", "host", "full")
 DEFAULT_STORAGE_ROOT = os.path.join(tempfile.gettempdir(), "mesh_hicache_l3")
@@ -55,8 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--storage", choices=("file", "mooncake"), default="file")
     p.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help="file backend root")
-    p.add_argument("--mooncake-master", default="127.0.0.1:50051")
-    p.add_argument("--mooncake-protocol", default="tcp")
+    p.add_argument("--mooncake-master", default="127.0.0.1:50051", help="master HOST:PORT")
+    p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp")
+    p.add_argument("--mooncake-metadata-server", default="P2PHANDSHAKE")
+    p.add_argument("--mooncake-rdma-devices", default="", help="e.g. mlx5_0 (rdma only)")
+    p.add_argument(
+        "--mooncake-segment-bytes",
+        type=int,
+        default=0,
+        help="store memory this process contributes (0: objects live in mooncake_client)",
+    )
+    p.add_argument("--mooncake-buffer-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--storage-retry-s",
+        type=float,
+        default=30.0,
+        help="while L3 is down, retry it this often (requests are served from L1+L2)",
+    )
     p.add_argument("--device-pages", type=int, default=64)
     p.add_argument("--host-pages", type=int, default=0, help="0 = 4 x device pages")
     p.add_argument("--page-size", type=int, default=16)
@@ -77,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-logits", action="store_true", help="add last-prompt logits to --json")
     p.add_argument("--log-every", type=int, default=8, help="a progress line every N requests")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per rank (0: torch's default; torchrun already sets 1)",
+    )
     return p
 
 
@@ -90,7 +111,15 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         if storage == "file":
             options = {"root": args.storage_root}
         else:
-            options = {"master_address": args.mooncake_master, "protocol": args.mooncake_protocol}
+            options = {
+                "master_address": args.mooncake_master,
+                "protocol": args.mooncake_protocol,
+                "metadata_server": args.mooncake_metadata_server,
+                "rdma_devices": args.mooncake_rdma_devices,
+                "global_segment_size": args.mooncake_segment_bytes,
+                "local_buffer_size": args.mooncake_buffer_bytes,
+            }
+        options["retry_interval_s"] = args.storage_retry_s
     return HiCacheConfig(
         device_pages=args.device_pages,
         host_pages=args.host_pages,
@@ -102,6 +131,32 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         prefetch_threshold=args.prefetch_threshold,
         cp_kv=args.cp_kv,
     )
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[Turn]:
+    """The trace the flags describe (deterministic from ``--seed``)."""
+    return make_workload(
+        args.workload,
+        sessions=args.sessions,
+        turns=args.turns,
+        vocab=vocab,
+        seed=args.seed,
+        first_prompt_len=args.first_prompt_len,
+        append_len=args.append_len,
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """``ValueError`` for any bad flag, before a process group exists."""
+    config = preset(args.model, dtype=DTYPES[args.dtype])
+    config.check_mesh(
+        tp=args.tp, cp=args.cp, pp=args.pp, page_size=args.page_size, cp_kv=args.cp_kv
+    )
+    config.state_spec(args.page_size)
+    cache_config(args)
+    workload(args, config.vocab_size)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -167,15 +222,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     model = HybridModel(config, topology, cp_kv=args.cp_kv, page_size=args.page_size)
     cfg = cache_config(args)
     cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
-    trace = make_workload(
-        args.workload,
-        sessions=args.sessions,
-        turns=args.turns,
-        vocab=config.vocab_size,
-        seed=args.seed,
-        first_prompt_len=args.first_prompt_len,
-        append_len=args.append_len,
-    )
+    trace = workload(args, config.vocab_size)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)
     leader = topology.coords == (0, 0, 0)
     log = logging.getLogger("runtime.serve")
@@ -222,12 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
+        check_args(args)
         topology = init_mesh(args.pp, args.cp, args.tp)
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        out = run(args, topology)
     except (LaunchError, ValueError) as err:
         print(f"runtime.serve: error: {err}", file=sys.stderr)
         return 2
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    out = run(args, topology)
     if out.pop("leader"):
         print(f"mesh (pp, cp, tp) = {topology.shape}, cache = {args.cache}, model = {args.model}")
         print(format_summary(out["summary"]))

@@ -44,6 +44,13 @@ def _context() -> Any:
     return _CTX
 
 
+def preload(*modules: str) -> None:
+    """Also import ``modules`` in the forkserver, so every rank starts with them loaded.
+
+    Call before this process's first ``run_on_mesh`` (the forkserver starts then)."""
+    _context().set_forkserver_preload(["torch", "torch.distributed", __name__, *modules])
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

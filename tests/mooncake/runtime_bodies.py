@@ -178,17 +178,7 @@ def serve_mesh(
 
     # The rank processes fork from the harness's forkserver: preloading the runtime and
     # Mooncake there saves each of the 4 ranks ~2 s of imports per mesh (2 cores).
-    harness._context().set_forkserver_preload(
-        [
-            "torch",
-            "torch.distributed",
-            "tests.distributed.harness",
-            "runtime.serve",
-            "mesh_hicache.cache",
-            "mooncake.store",
-            __name__,
-        ]
-    )
+    harness.preload("runtime.serve", "mesh_hicache.cache", "mooncake.store", __name__)
     pp, cp, tp = shape
     full = [*argv, "--pp", str(pp), "--cp", str(cp), "--tp", str(tp)]
     return run_on_mesh(shape, _rank_serve, full, timeout=timeout)
