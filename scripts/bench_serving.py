@@ -51,6 +51,7 @@ from runtime.engine import Engine, RequestResult
 from runtime.launch import LaunchError, add_mesh_args, init_mesh
 from runtime.model import HybridModel
 from runtime.model.config import DTYPES, PRESETS, preset
+from runtime.serve import build_parser as serve_parser
 from runtime.serve import cache_config, summarize
 from runtime.workloads import WORKLOADS, make_workload
 
@@ -241,18 +242,19 @@ def parse_modes(text: str) -> tuple[str, ...]:
 
 
 def _cache_args(args: argparse.Namespace, mode: str, root: str) -> argparse.Namespace:
-    """The ``runtime.serve`` arguments that ``cache_config`` reads, for ``mode``."""
-    return argparse.Namespace(
-        cache=MODE_TO_CACHE[mode],
-        storage="file",
-        storage_root=root,
-        device_pages=args.device_pages,
-        host_pages=args.host_pages,
-        write_policy=args.write_policy,
-        prefetch_policy=args.prefetch_policy,
-        prefetch_threshold=args.prefetch_threshold,
-        cp_kv=args.cp_kv,
-    )
+    """The ``runtime.serve`` flags of ``mode``, parsed by its own parser (one set of defaults)."""
+    flags = {
+        "--cache": MODE_TO_CACHE[mode],
+        "--storage": "file",
+        "--storage-root": root,
+        "--device-pages": args.device_pages,
+        "--host-pages": args.host_pages,
+        "--write-policy": args.write_policy,
+        "--prefetch-policy": args.prefetch_policy,
+        "--prefetch-threshold": args.prefetch_threshold,
+        "--cp-kv": args.cp_kv,
+    }
+    return serve_parser().parse_args([str(x) for kv in flags.items() for x in kv])
 
 
 @dataclass(frozen=True, slots=True)
