@@ -340,6 +340,7 @@ def write_plot(modes: Mapping[str, Mapping[str, Any]], path: str) -> bool:
         per_turn = m["ttft_by_turn_s"]
         ax.plot(range(len(per_turn)), [1e3 * t for t in per_turn], marker="o", label=name)
     ax.set_xlabel("turn")
+    ax.set_xticks(range(max((len(v["ttft_by_turn_s"]) for v in modes.values()), default=0)))
     ax.set_ylabel("mean TTFT (ms)")
     ax.set_title("TTFT per turn by cache mode")
     ax.legend()
