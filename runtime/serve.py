@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mesh_hicache.cache import HiCache
-from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
 from runtime.launch import LaunchError, add_mesh_args, init_mesh
@@ -36,9 +36,8 @@ CACHE_MODES = ("off", "device", "host", "full")
 DEFAULT_STORAGE_ROOT = os.path.join(tempfile.gettempdir(), "mesh_hicache_l3")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
-    add_mesh_args(p)
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """Model and workload flags (shared with ``scripts/bench_serving.py``)."""
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--workload", choices=WORKLOADS, default="multiturn")
@@ -47,6 +46,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-prompt-len", type=int, default=512)
     p.add_argument("--append-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--cp-kv", choices=("replicate", "shard"), default="replicate")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per rank (0: torch's default; torchrun already sets 1)",
+    )
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Pool sizes and policies (shared with ``scripts/bench_serving.py``)."""
+    p.add_argument("--device-pages", type=int, default=64, help="L1 pages per rank")
+    p.add_argument("--host-pages", type=int, default=0, help="L2 pages; 0 = 4 x device pages")
+    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
+    p.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="wait_complete")
+    p.add_argument("--prefetch-threshold", type=int, default=256)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
+    add_mesh_args(p)
+    add_run_args(p)
+    add_cache_args(p)
     p.add_argument(
         "--cache",
         choices=CACHE_MODES,
@@ -72,32 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="while L3 is down, retry it this often (requests are served from L1+L2)",
     )
-    p.add_argument("--device-pages", type=int, default=64)
-    p.add_argument("--host-pages", type=int, default=0, help="0 = 4 x device pages")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--cp-kv", choices=("replicate", "shard"), default="replicate")
-    p.add_argument(
-        "--write-policy",
-        choices=("write_through", "write_through_selective", "write_back"),
-        default="write_through",
-    )
-    p.add_argument(
-        "--prefetch-policy",
-        choices=("best_effort", "wait_complete", "timeout"),
-        default="wait_complete",
-    )
-    p.add_argument("--prefetch-threshold", type=int, default=256)
     p.add_argument("--json", metavar="PATH", help="write config, per-request results, summary")
     p.add_argument("--dump-logits", action="store_true", help="add last-prompt logits to --json")
     p.add_argument("--log-every", type=int, default=8, help="a progress line every N requests")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch threads per rank (0: torch's default; torchrun already sets 1)",
-    )
     return p
 
 
@@ -131,6 +133,12 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         prefetch_threshold=args.prefetch_threshold,
         cp_kv=args.cp_kv,
     )
+
+
+def build_model(args: argparse.Namespace, topology: MeshTopology) -> HybridModel:
+    """The model the flags describe, on this rank's shard. Collective."""
+    config = preset(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
+    return HybridModel(config, topology, cp_kv=args.cp_kv, page_size=args.page_size)
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[Turn]:
@@ -218,8 +226,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     """Build model, cache and engine on this rank and serve the workload. Collective."""
-    config = preset(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
-    model = HybridModel(config, topology, cp_kv=args.cp_kv, page_size=args.page_size)
+    model = build_model(args, topology)
+    config = model.config
     cfg = cache_config(args)
     cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
     trace = workload(args, config.vocab_size)

@@ -50,10 +50,15 @@ from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
 from runtime.launch import LaunchError, add_mesh_args, init_mesh
 from runtime.model import HybridModel
-from runtime.model.config import DTYPES, PRESETS, preset
+from runtime.serve import (
+    add_cache_args,
+    add_run_args,
+    build_model,
+    cache_config,
+    summarize,
+    workload,
+)
 from runtime.serve import build_parser as serve_parser
-from runtime.serve import cache_config, summarize
-from runtime.workloads import WORKLOADS, make_workload
 
 MODES = ("off", "device", "host", "storage", "restart")
 MODE_TO_CACHE = {
@@ -184,41 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_mesh_args(p)
+    add_run_args(p)
+    add_cache_args(p)
+    # Bigger than serve's defaults: compute must dominate, and L2 must hold the trace.
+    p.set_defaults(model="small", host_pages=1024)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {MODES}")
-    p.add_argument("--model", choices=sorted(PRESETS), default="small")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--workload", choices=WORKLOADS, default="multiturn")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--first-prompt-len", type=int, default=512)
-    p.add_argument("--append-len", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--device-pages", type=int, default=64, help="L1 pages (too few on purpose)")
-    p.add_argument("--host-pages", type=int, default=1024, help="L2 pages (holds the trace)")
     p.add_argument(
         "--host-mamba-slots", type=int, default=0, help="L2 Mamba slots; 0 = host pages / 4"
     )
-    p.add_argument("--cp-kv", choices=("replicate", "shard"), default="replicate")
-    p.add_argument(
-        "--write-policy",
-        choices=("write_through", "write_through_selective", "write_back"),
-        default="write_through",
-    )
-    p.add_argument(
-        "--prefetch-policy",
-        choices=("best_effort", "wait_complete", "timeout"),
-        default="wait_complete",
-    )
-    p.add_argument("--prefetch-threshold", type=int, default=256)
     p.add_argument(
         "--storage-root",
         default=None,
         help="folder for a fresh L3 root (a new subfolder is made and removed); default: tmp",
     )
     p.add_argument("--keep-storage", action="store_true", help="leave the L3 files behind")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
     p.add_argument("--no-warmup", action="store_true", help="skip the throwaway request")
     p.add_argument("--json", metavar="PATH", help="write the shared result format here")
     p.add_argument("--plot", metavar="PATH", help="PNG of mean TTFT per turn per mode")
@@ -354,17 +338,9 @@ def write_plot(modes: Mapping[str, Mapping[str, Any]], path: str) -> bool:
 def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     """Every requested mode on one trace; returns the shared-format result. Collective."""
     modes_to_run = parse_modes(args.modes)
-    config = preset(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
-    model = HybridModel(config, topology, cp_kv=args.cp_kv, page_size=args.page_size)
-    trace = make_workload(
-        args.workload,
-        sessions=args.sessions,
-        turns=args.turns,
-        vocab=config.vocab_size,
-        seed=args.seed,
-        first_prompt_len=args.first_prompt_len,
-        append_len=args.append_len,
-    )
+    model = build_model(args, topology)
+    config = model.config
+    trace = workload(args, config.vocab_size)
     rng = random.Random(args.seed + 1)
     warmup = (
         []

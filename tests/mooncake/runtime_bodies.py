@@ -101,27 +101,15 @@ def _rank_serve(mesh: Any, argv: list[str]) -> dict[str, Any]:
     from mesh_hicache.radix import RadixKey
     from mesh_hicache.topology import MeshTopology
     from runtime.engine import Engine
-    from runtime.model import HybridModel
-    from runtime.model.config import DTYPES, preset
-    from runtime.serve import build_parser, cache_config
-    from runtime.workloads import make_workload
+    from runtime.serve import build_model, build_parser, cache_config, workload
 
     topology = MeshTopology.from_mesh(mesh)
     args = build_parser().parse_args(argv)
-    config = preset(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
-    model = HybridModel(config, topology, cp_kv=args.cp_kv, page_size=args.page_size)
+    model = build_model(args, topology)
     cfg = cache_config(args)
     assert cfg is not None and cfg.storage == "mooncake", "serve_mesh needs --cache full"
-    cache = HiCache(topology, config.state_spec(args.page_size), cfg)
-    trace = make_workload(
-        args.workload,
-        sessions=args.sessions,
-        turns=args.turns,
-        vocab=config.vocab_size,
-        seed=args.seed,
-        first_prompt_len=args.first_prompt_len,
-        append_len=args.append_len,
-    )
+    cache = HiCache(topology, model.config.state_spec(args.page_size), cfg)
+    trace = workload(args, model.config.vocab_size)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens)
     try:
         results = engine.run(trace)
