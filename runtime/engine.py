@@ -17,7 +17,7 @@ boundary reached while decoding (for the next turn of a chat).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +90,9 @@ class Engine:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
-    def run(self, trace: Sequence[Turn], progress: object = None) -> list[RequestResult]:
+    def run(
+        self, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
+    ) -> list[RequestResult]:
         """Serve a whole trace; each turn's prompt is its session's history + user tokens."""
         results = []
         for turn in trace:
@@ -103,7 +105,7 @@ class Engine:
             )
             self.histories[turn.session] = prompt + result.output_ids
             results.append(result)
-            if callable(progress):
+            if progress is not None:
                 progress(result)
         return results
 

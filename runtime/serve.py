@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -154,6 +154,24 @@ def workload(args: argparse.Namespace, vocab: int) -> list[Turn]:
     )
 
 
+def serve_trace(
+    engine: Engine, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
+) -> tuple[list[RequestResult], float, dict[str, object] | None]:
+    """Serve ``trace``, then flush and close the engine's cache.
+
+    Returns the results, the wall time of serving, and the cache's counters (None
+    without a cache). Collective."""
+    t0 = time.perf_counter()
+    results = engine.run(trace, progress)
+    wall = time.perf_counter() - t0
+    stats = None
+    if engine.cache is not None:
+        engine.cache.flush()
+        stats = engine.cache.stats().as_dict()
+        engine.cache.close()
+    return results, wall, stats
+
+
 def check_args(args: argparse.Namespace) -> None:
     """``ValueError`` for any bad flag, before a process group exists."""
     config = preset(args.model, dtype=DTYPES[args.dtype])
@@ -256,13 +274,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
             )
 
     t0 = time.perf_counter()
-    results = engine.run(trace, progress)
-    wall = time.perf_counter() - t0
-    stats = None
-    if cache is not None:
-        cache.flush()
-        stats = cache.stats().as_dict()
-        cache.close()
+    results, wall, stats = serve_trace(engine, trace, progress)
     summary = summarize(results, wall)
     return {
         "config": {k: v for k, v in vars(args).items()},

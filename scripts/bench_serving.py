@@ -35,7 +35,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +54,7 @@ from runtime.serve import (
     add_run_args,
     build_model,
     cache_config,
+    serve_trace,
     summarize,
     workload,
 )
@@ -289,14 +289,7 @@ def serve_mode(
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens)
     if warmup:
         engine.serve(warmup, WARMUP_NAMESPACE)
-    t0 = time.perf_counter()
-    results = engine.run(trace)
-    wall = time.perf_counter() - t0
-    stats = None
-    if cache is not None:
-        cache.flush()
-        stats = cache.stats().as_dict()
-        cache.close()
+    results, wall, stats = serve_trace(engine, trace)
     return ModeRun(mode, results, wall, stats)
 
 

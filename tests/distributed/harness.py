@@ -141,6 +141,24 @@ def run_on_mesh(
     failures: list[str] = []
     deadline = time.monotonic() + timeout
     pending = dict(enumerate(conns))
+
+    def receive(wait_s: float) -> None:
+        """Take every report that arrives within ``wait_s`` into results / failures."""
+        for conn in wait(list(pending.values()), timeout=wait_s):
+            rank = next(r for r, c in pending.items() if c is conn)
+            del pending[rank]
+            try:
+                status, _, coords, payload = conn.recv()
+            except EOFError:
+                procs[rank].join(timeout=0.5)
+                exitcode = procs[rank].exitcode
+                failures.append(f"rank {rank} died (exit code {exitcode}) without a result")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failures.append(f"rank {rank} {coords} raised:\n{payload}")
+
     try:
         while pending and not failures:
             remaining = deadline - time.monotonic()
@@ -149,41 +167,12 @@ def run_on_mesh(
                     f"timeout after {timeout:.0f}s; ranks {sorted(pending)} did not finish"
                 )
                 break
-            ready = wait(list(pending.values()), timeout=min(remaining, 1.0))
-            for conn in ready:
-                rank = next(r for r, c in pending.items() if c is conn)
-                try:
-                    status, _, coords, payload = conn.recv()
-                except EOFError:
-                    procs[rank].join(timeout=0.5)
-                    failures.append(
-                        f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
-                    )
-                    del pending[rank]
-                    continue
-                del pending[rank]
-                if status == "ok":
-                    results[rank] = payload
-                else:
-                    failures.append(f"rank {rank} {coords} raised:\n{payload}")
-        if failures:
-            # Collect what ranks failing at about the same time report: the first error
-            # seen is often a peer's "connection reset", the cause another rank's death.
-            grace = time.monotonic() + 1.0
-            while pending and time.monotonic() < grace:
-                for conn in wait(list(pending.values()), timeout=0.2):
-                    rank = next(r for r, c in pending.items() if c is conn)
-                    del pending[rank]
-                    try:
-                        status, _, coords, payload = conn.recv()
-                    except EOFError:
-                        procs[rank].join(timeout=0.5)
-                        failures.append(
-                            f"rank {rank} died (exit code {procs[rank].exitcode}) without a result"
-                        )
-                        continue
-                    if status != "ok":
-                        failures.append(f"rank {rank} {coords} raised:\n{payload}")
+            receive(min(remaining, 1.0))
+        # Collect what ranks failing at about the same time report: the first error seen
+        # is often a peer's "connection reset", the cause another rank's death.
+        grace = time.monotonic() + 1.0
+        while failures and pending and time.monotonic() < grace:
+            receive(0.2)
     finally:
         for proc in procs:
             proc.join(timeout=0.5 if not failures else 0.0)

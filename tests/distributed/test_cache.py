@@ -11,11 +11,11 @@ import pytest
 import torch.distributed as dist
 
 from mesh_hicache.cache import HiCache
-from mesh_hicache.storage.base import StorageBackend
 from mesh_hicache.topology import MeshTopology
 from tests.distributed.harness import run_on_mesh
 from tests.unit.test_cache_support import (
     PS,
+    RaisingBackend,
     hashes_of,
     make_config,
     make_spec,
@@ -133,17 +133,6 @@ def test_random_workload_agrees_and_only_writers_write(tmp_path, shape, prefetch
 # -- faults on one rank ------------------------------------------------------------------
 
 
-class _RaisingBackend(StorageBackend):
-    def exists(self, keys):
-        raise ConnectionError("store unreachable")
-
-    def get(self, keys, dst):
-        raise ConnectionError("store unreachable")
-
-    def put(self, keys, src):
-        raise ConnectionError("store unreachable")
-
-
 FAULTY = 3
 """The rank that fails (pp0/cp1/tp1 on 1x2x2: a reader of tp slice 1, writer of nothing)."""
 
@@ -231,7 +220,7 @@ def _faults_body(mesh: Any, root: str) -> dict[str, Any]:
     cache = HiCache(topo, spec, make_config(root))
     assert cache.ctl.storage is not None
     if me == FAULTY:
-        cache.ctl.storage._backend = _RaisingBackend()  # type: ignore[attr-defined]
+        cache.ctl.storage._backend = RaisingBackend()  # type: ignore[attr-defined]
         cache.ctl.storage._connect = None  # type: ignore[attr-defined]
     first = serve(cache, p, checkpoints=(2, 3))
     again = serve(cache, p, checkpoints=(2, 3))

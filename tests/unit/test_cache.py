@@ -15,12 +15,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import PREFETCH_POLICIES
 from mesh_hicache.layout import RegionName
-from mesh_hicache.storage.base import StorageBackend
 from mesh_hicache.storage.keys import HEADER_SIZE
 from mesh_hicache.topology import MeshTopology
 from mesh_hicache.transfer.engine import TransferKind
 from tests.unit.test_cache_support import (
     PS,
+    RaisingBackend,
     count_mismatches,
     evict_everything,
     expected_kv,
@@ -413,27 +413,11 @@ def test_random_run_leaks_nothing(make_cache, tmp_path, policy):
 # -- a failing backend -------------------------------------------------------------------
 
 
-class _RaisingBackend(StorageBackend):
-    """A backend whose every call raises (a lost store)."""
-
-    def exists(self, keys):
-        raise ConnectionError("store unreachable")
-
-    def get(self, keys, dst):
-        raise ConnectionError("store unreachable")
-
-    def put(self, keys, src):
-        raise ConnectionError("store unreachable")
-
-    def close(self):
-        raise ConnectionError("store unreachable")
-
-
 def test_raising_backend_degrades_to_l1_l2(make_cache, tmp_path):
     cache = make_cache(tmp_path / "l3", device_mamba_slots=2, write_policy="write_through")
     storage = cache.ctl.storage
     assert storage is not None
-    storage._backend = _RaisingBackend()  # GuardedStorage's wrapped backend
+    storage._backend = RaisingBackend()  # GuardedStorage's wrapped backend
     storage._connect = None
     results = [serve(cache, t) for t in (A, B, C, A, B)]
     cache.flush()

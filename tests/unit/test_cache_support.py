@@ -20,6 +20,7 @@ from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.layout import RegionName
 from mesh_hicache.radix import RadixKey
 from mesh_hicache.spec import Family, KVSpec, MambaSpec, StateSpec
+from mesh_hicache.storage.base import StorageBackend
 
 PS = 4
 """Tokens per page."""
@@ -240,3 +241,19 @@ def stored_objects(root: Path | str) -> list[tuple[str, str, str]]:
             assert len(rel) == 5 and rel[0] == "v1", rel
             out.append((rel[2], rel[3], rel[4]))
     return out
+
+
+class RaisingBackend(StorageBackend):
+    """A backend whose every call raises (a lost store)."""
+
+    def exists(self, keys):
+        raise ConnectionError("store unreachable")
+
+    def get(self, keys, dst):
+        raise ConnectionError("store unreachable")
+
+    def put(self, keys, src):
+        raise ConnectionError("store unreachable")
+
+    def close(self):
+        raise ConnectionError("store unreachable")
