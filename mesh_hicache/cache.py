@@ -156,7 +156,8 @@ class HiCache:
         if req._prefetch is not None:
             job, req._prefetch = req._prefetch, None
             req._prefetched = ctl.finish_prefetch(job)
-        m = self.tree.match_prefix(req.key)
+        # Again (the prefetch or other requests may have changed the tree), uncounted.
+        m = self.tree.match_prefix(req.key, touch=False)
         self._relock(req, m.last_node, host=True)
         host_nodes = [n for n in m.nodes if n.device_indices is None]
         state_node = None

@@ -100,13 +100,14 @@ class RadixTree:
 
     # ------------------------------------------------------------------ lookup
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
+    def match_prefix(self, key: RadixKey, touch: bool = True) -> MatchResult:
         """The usable cached prefix of ``key`` (truncated to whole pages).
 
-        Mutates: the logical clock, ``last_access`` and ``hit_count`` of the matched KV
-        path; without Mamba, a node is split where the match ends inside it (splits keep
-        every tier consistent). With Mamba no split is needed: a usable prefix always
-        ends at a node's end. A miss returns lengths 0 and a sentinel ``last_node``.
+        Mutates: with ``touch``, the logical clock, ``last_access`` and ``hit_count`` of
+        the matched KV path (``touch=False`` re-reads a prefix already counted); without
+        Mamba, a node is split where the match ends inside it (splits keep every tier
+        consistent). With Mamba no split is needed: a usable prefix always ends at a
+        node's end. A miss returns lengths 0 and a sentinel ``last_node``.
         """
         key = self._check_key(key)
         ps = self.page_size
@@ -118,11 +119,12 @@ class RadixTree:
         raw_kv_len = pos + (partial[1] if partial is not None else 0)
         if partial is not None and not self.has_mamba:
             path.append(self._split(partial[0], partial[1]))
-        self.clock += 1
-        for node in path:
-            node.last_access = self.clock
-            node.hit_count += 1
-            self._refresh(node)
+        if touch:
+            self.clock += 1
+            for node in path:
+                node.last_access = self.clock
+                node.hit_count += 1
+                self._refresh(node)
         usable = path
         if self.has_mamba:
             end = len(path)

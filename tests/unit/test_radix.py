@@ -383,3 +383,16 @@ def test_host_tail_insert_for_prefetch() -> None:
     with pytest.raises(ValueError, match="host-only"):
         tree.insert(key([1, 2]), [0, 1], host_indices=[3], host_first_page=1)
     tree.check_integrity()
+
+
+def test_untouched_match_reads_without_counting():
+    tree = RadixTree(2, has_mamba=True)
+    key = RadixKey((1, 2, 3, 4))
+    tree.insert(key, device_indices=[0, 1], mamba_device_slot=0)
+    counted = tree.match_prefix(key)
+    before = (tree.clock, counted.last_node.hit_count, counted.last_node.last_access)
+    again = tree.match_prefix(key, touch=False)
+    assert again.usable_len == counted.usable_len == 4 and again.last_node is counted.last_node
+    assert (tree.clock, again.last_node.hit_count, again.last_node.last_access) == before
+    tree.match_prefix(key)
+    assert again.last_node.hit_count == before[1] + 1
