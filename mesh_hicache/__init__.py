@@ -1,7 +1,26 @@
 """mesh_hicache: a hierarchical prefix cache for hybrid models on a pp x cp x tp DeviceMesh."""
 
+from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit
+from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.consensus import Consensus
+from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
+from mesh_hicache.stats import CacheStats
 from mesh_hicache.topology import MeshAxis, MeshTopology
 
-__all__ = ["Consensus", "MeshAxis", "MeshTopology"]
+__all__ = [
+    "CacheFull",
+    "CacheStats",
+    "CachedRequest",
+    "Consensus",
+    "Family",
+    "HiCache",
+    "HiCacheConfig",
+    "IndexerSpec",
+    "KVSpec",
+    "MambaSpec",
+    "MeshAxis",
+    "MeshTopology",
+    "PrefixHit",
+    "StateSpec",
+]
 __version__ = "0.1.0"
