@@ -160,11 +160,15 @@ class HiCacheController:
         """Host pages and slots (evicting host copies as needed), or None on every rank."""
         assert self.host is not None
         try:
-            got_pages = self._alloc(self.host.page_allocator, pages, self._evict_host_pages, "")
+            got_pages = self._alloc(
+                self.host.page_allocator, pages, self._evict_host_pages, "host pages"
+            )
         except CacheFull:
             return None
         try:
-            got_slots = self._alloc(self.host.slot_allocator, slots, self._evict_host_slots, "")
+            got_slots = self._alloc(
+                self.host.slot_allocator, slots, self._evict_host_slots, "host slots"
+            )
         except CacheFull:
             self.host.page_allocator.free(got_pages)
             return None

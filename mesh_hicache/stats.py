@@ -21,6 +21,8 @@ class CacheStats:
     prefetch_policy: str = "wait_complete"
     requests: int = 0
     prompt_tokens: int = 0
+    """Tokens looked up (the keys passed to ``match``; the runtime matches one token
+    short of each prompt, so that one token is always computed)."""
     hit_tokens_device: int = 0
     """Prompt tokens reused from L1."""
     hit_tokens_host: int = 0

@@ -170,11 +170,10 @@ class MeshTopology:
     def group(self, *axes: AxisLike, backend: str | None = None) -> dist.ProcessGroup:
         """The process group of this rank's sub-mesh over ``axes``. Cached per (axes, backend).
 
-        ``backend=None`` uses the job's backend (NCCL on CUDA, gloo on CPU). Pass
-        ``"gloo"`` for a group meant for a background thread: every call site that
-        needs its own channel should create a separate topology group with
-        :meth:`new_group` instead, since a cached group is shared.
-        Collective on first use: every rank must ask for the same groups in the same order.
+        ``backend=None`` uses the job's backend (NCCL on CUDA, gloo on CPU). A cached
+        group is shared by every caller, so a background thread needs its own from
+        :meth:`new_group`. Collective on first use: every rank must ask for the same
+        groups in the same order.
         """
         key = (self._normalize_axes(axes), backend)
         if key not in self._groups:

@@ -253,7 +253,7 @@ def test_l3_round_trip_into_a_new_cache(make_cache, tmp_path, policy):
     cache.check_integrity()
 
 
-def test_best_effort_prefetch_is_all_or_nothing(make_cache, tmp_path):
+def test_best_effort_prefetch_takes_what_arrived(make_cache, tmp_path):
     root = tmp_path / "l3"
     store(make_cache(root), A)
     cache = make_cache(root, prefetch_policy="best_effort")
