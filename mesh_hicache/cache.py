@@ -29,6 +29,7 @@ from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.controller import CacheFull, HiCacheController, Prefetch
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.radix import RadixKey
+from mesh_hicache.radix.hashing import page_hashes
 from mesh_hicache.radix.node import TreeNode
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.stats import CacheStats
@@ -133,10 +134,14 @@ class HiCache:
         storage_tokens = 0
         prefetch = None
         if ctl.storage is not None:
-            pages = ctl.query_storage(key, m.usable_len // self.page_size)
+            # The chain continues from the last page L1/L2 holds: hash only the rest.
+            start = m.usable_len // self.page_size
+            rest = key.tokens[start * self.page_size :]
+            hashes = page_hashes(rest, self.page_size, namespace, m.last_node.last_hash)
+            pages = ctl.query_storage(hashes)
             tokens_l3 = pages * self.page_size
             if tokens_l3 and tokens_l3 >= self.config.prefetch_threshold:
-                prefetch = ctl.start_prefetch(key, m.usable_len // self.page_size, pages)
+                prefetch = ctl.start_prefetch(key, start, hashes[:pages])
                 storage_tokens = tokens_l3 if prefetch is not None else 0
             elif tokens_l3:
                 self._stats.record_prefetch(self.config.prefetch_policy, "below_threshold")

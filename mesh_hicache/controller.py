@@ -422,10 +422,10 @@ class HiCacheController:
             self.stats.storage_put_dropped += len(flags) - sum(flags)
         return written
 
-    def query_storage(self, key: RadixKey, start_page: int) -> int:
-        """Pages beyond ``start_page`` that every rank can read from L3, ending at a Mamba
-        state when the model has one. Agreed (1 or 2 collectives, always the same count)."""
-        hashes = key.page_hashes(self.page_size)[start_page:]
+    def query_storage(self, hashes: Sequence[bytes]) -> int:
+        """How many of the pages ``hashes`` (chained page hashes beyond what L1/L2 hold)
+        every rank can read from L3, ending at a Mamba state when the model has one.
+        Agreed (1 or 2 collectives, always the same count)."""
         local = 0
         if self.storage is not None and hashes:
             local = self._local_storage_hit(hashes)
@@ -438,7 +438,7 @@ class HiCacheController:
                 pages = 0
         return pages
 
-    def _local_storage_hit(self, hashes: list[bytes]) -> int:
+    def _local_storage_hit(self, hashes: Sequence[bytes]) -> int:
         assert self.storage is not None
         n = len(hashes)
         for region in self._regions(paged=True):
@@ -454,17 +454,20 @@ class HiCacheController:
             self.storage.exists_one(self._key(r, page_hash)) for r in self._regions(paged=False)
         )
 
-    def start_prefetch(self, key: RadixKey, start_page: int, num_pages: int) -> Prefetch | None:
-        """Reserve host pages and a slot (agreed) and start reading ``num_pages`` KV pages
-        from L3 in the background, then the state at their end."""
+    def start_prefetch(
+        self, key: RadixKey, start_page: int, hashes: Sequence[bytes]
+    ) -> Prefetch | None:
+        """Reserve host pages and a slot (agreed) and start reading the KV pages ``hashes``
+        (pages ``start_page`` onward of ``key``) from L3 in the background, then the state
+        at their end."""
+        num_pages = len(hashes)
         got = self.try_alloc_host(num_pages, 1 if self.spec.has_mamba else 0)
         if got is None:
             self.stats.prefetch_skipped_host_full += 1
             return None
         assert self._reader is not None
         pages, slots = got
-        hashes = key.page_hashes(self.page_size)[start_page : start_page + num_pages]
-        job = Prefetch(key, start_page, num_pages, pages, slots[0] if slots else None, hashes)
+        job = Prefetch(key, start_page, num_pages, pages, slots[0] if slots else None, list(hashes))
         self._reader.submit(self._run_prefetch, job)
         return job
 
