@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -83,15 +84,44 @@ def _rank_main(
             torch.cuda.set_device(rank)
         mesh = dist.init_device_mesh(device_type, shape, mesh_dim_names=names)
         coords = dict(zip(names, mesh.get_coordinate() or (), strict=False))
-        result = body(mesh, *args)
-        conn.send(("ok", rank, coords, result))
+        report = _encode(("ok", rank, coords, body(mesh, *args)))
     except BaseException:
-        conn.send(("error", rank, coords, traceback.format_exc()))
-        conn.close()
+        _report(conn, _encode(("error", rank, coords, traceback.format_exc())), timeout)
         # Peers may be blocked in a collective with us; do not wait for them.
         os._exit(1)
-    conn.close()
+    _report(conn, report, timeout)
     dist.destroy_process_group()
+
+
+def _encode(report: tuple[Any, ...]) -> bytes:
+    """Plain bytes: tensors are copied into the pickle (``pickle``, not torch's
+    fd-sharing ``ForkingPickler``), so the parent can read a report after we exit."""
+    return pickle.dumps(_to_plain(report), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        # A view of a large (e.g. pool) storage would otherwise pickle the whole storage.
+        return value.detach().to("cpu").clone()
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_to_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _report(conn: Connection, payload: bytes, timeout: float) -> None:
+    """Send ``payload`` and return only once the parent has acknowledged it (or is gone)."""
+    try:
+        conn.send_bytes(payload)
+        if conn.poll(timeout):
+            conn.recv_bytes()
+    except (OSError, EOFError):
+        pass  # the parent gave up on us; it reports the failure itself
+    finally:
+        conn.close()
 
 
 def run_on_mesh(
@@ -126,7 +156,7 @@ def run_on_mesh(
     )
     procs, conns = [], []
     for rank in range(world):
-        reader, writer = ctx.Pipe(duplex=False)
+        reader, writer = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=_rank_main,
             args=(rank, shape, names, backend, store.port, timeout, body, args, writer),
@@ -148,8 +178,9 @@ def run_on_mesh(
             rank = next(r for r, c in pending.items() if c is conn)
             del pending[rank]
             try:
-                status, _, coords, payload = conn.recv()
-            except EOFError:
+                status, _, coords, payload = pickle.loads(conn.recv_bytes())
+                conn.send_bytes(b"ack")  # the rank may exit now
+            except (EOFError, OSError):
                 procs[rank].join(timeout=0.5)
                 exitcode = procs[rank].exitcode
                 failures.append(f"rank {rank} died (exit code {exitcode}) without a result")

@@ -62,3 +62,21 @@ def test_dead_rank_fails():
 def test_nccl_variant_runs_or_skips_with_reason():
     out = run_on_mesh((2,), _rank_and_coord, backend="nccl")
     assert [r for r, _ in out] == [0, 1]
+
+
+def _return_views(mesh):
+    import torch
+
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    return {"view": big[dist.get_rank() : dist.get_rank() + 3], "rank": dist.get_rank()}
+
+
+def test_tensor_results_cross_as_plain_copies():
+    # Tensors once crossed through torch's fd-sharing pickler and raced the rank's exit;
+    # now they are copied into the report, and only the view's own elements travel.
+    for _ in range(3):
+        out = run_on_mesh((2, 2), _return_views)
+        for rank, result in enumerate(out):
+            assert result["rank"] == rank
+            assert result["view"].tolist() == [float(rank + i) for i in range(3)]
+            assert result["view"].untyped_storage().nbytes() == 3 * 4
