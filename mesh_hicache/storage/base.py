@@ -5,6 +5,9 @@ Contract, shared by all backends:
 - Keys are ``StorageKey`` objects (``keys.py``); a backend stores one object per key,
   in the object format of ``keys.py`` (header with key digest, length and checksum,
   then the payload), and re-checks every key string with ``check_key_str``.
+- Every backend takes ``secret`` / ``secret_file`` (see ``load_secret``) and encodes and
+  checks objects with ``self.codec``: with a secret, objects carry a keyed MAC and an
+  object that does not verify under this secret is a miss (kind "mac"/"unsealed").
 - Tensors passed to ``get``/``put`` are contiguous CPU tensors of any dtype, typically
   one host-pool row (one page or slot of one region of one shard). Only their bytes
   matter: ``dst.nbytes`` must equal the stored payload length.
@@ -12,7 +15,8 @@ Contract, shared by all backends:
   ``get`` return False for that key (counted in ``stats``; one warning per kind of
   corruption). Wrong data is never returned.
 - Transport failures (store unreachable, I/O errors other than "full") may raise;
-  ``GuardedStorage`` (``guard.py``) turns them into degraded mode.
+  ``GuardedStorage`` (``guard.py``) turns them (and any other exception a backend
+  raises) into misses, drops and degraded mode.
 - Calls are synchronous and may block on I/O: run them off the scheduling thread.
   Implementations are safe to call from several threads; stats are updated under a lock.
 """
@@ -22,13 +26,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from mesh_hicache.storage.keys import StorageKey
+from mesh_hicache.storage.keys import ObjectCodec, StorageKey
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +65,51 @@ class StorageStats:
     evicted: int = 0
     """Objects removed by the backend's own capacity management (LRU)."""
     errors: int = 0
-    """Calls that raised a transport error (counted by ``GuardedStorage``)."""
+    """Calls that raised (any exception; counted by ``GuardedStorage``)."""
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+    """``errors`` split by exception type name (``"OSError"``, ``"ValueError"``, ...)."""
+    write_errors: int = 0
+    """``put`` calls among ``errors`` (backups lost to a raising backend)."""
     skipped: int = 0
     """Calls answered as a miss/False without touching the backend while degraded."""
+    unsafe: int = 0
+    """Entries refused without being read or written: a symlink or a non-regular file
+    where an object or directory should be (file backend). Each is a miss or a drop."""
 
     def snapshot(self) -> StorageStats:
-        """A deep copy (the kind dict included)."""
-        return dataclasses.replace(self, corrupt_by_kind=dict(self.corrupt_by_kind))
+        """A deep copy (the kind dicts included)."""
+        return dataclasses.replace(
+            self,
+            corrupt_by_kind=dict(self.corrupt_by_kind),
+            errors_by_kind=dict(self.errors_by_kind),
+        )
+
+
+def load_secret(
+    secret: bytes | str | None = None, secret_file: str | os.PathLike[str] | None = None
+) -> bytes | None:
+    """The storage secret from ``secret`` (bytes or str) or the contents of ``secret_file``.
+
+    Surrounding whitespace of a file (a trailing newline) is dropped. None when neither
+    is given; ValueError when both are, when the file cannot be read, or when the secret
+    is shorter than ``keys.MIN_SECRET_BYTES`` (checked by ``ObjectCodec``).
+    """
+    if secret is not None and secret_file is not None:
+        raise ValueError("give a storage secret or a secret_file, not both")
+    if secret_file is not None:
+        if not str(secret_file):
+            raise ValueError("storage secret_file must not be empty")
+        try:
+            with open(secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as err:
+            raise ValueError(f"cannot read storage secret_file {secret_file!r}: {err}") from err
+        if not secret:
+            raise ValueError(f"storage secret_file {secret_file!r} is empty")
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    ObjectCodec(secret)  # validates type and length
+    return secret
 
 
 class StorageBackend(abc.ABC):
@@ -76,10 +119,12 @@ class StorageBackend(abc.ABC):
     single-key helpers and the stats bookkeeping come from this class.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, secret: bytes | None = None) -> None:
         self._stats = StorageStats()
         self._stats_lock = threading.Lock()
         self._warned_kinds: set[str] = set()
+        self.codec = ObjectCodec(secret)
+        """How this backend seals and checks objects (a MAC when a secret is set)."""
 
     # -- the interface ----------------------------------------------------------------------
 
@@ -167,6 +212,23 @@ class StorageBackend(abc.ABC):
                 detail,
                 key,
                 kind,
+            )
+
+    def _record_unsafe(self, kind: str, where: str, *, miss: bool) -> None:
+        """Count a refused entry (symlink, non-regular file); warn the first time per kind."""
+        with self._stats_lock:
+            self._stats.unsafe += 1
+            if miss:
+                self._stats.get_misses += 1
+            first = f"unsafe:{kind}" not in self._warned_kinds
+            self._warned_kinds.add(f"unsafe:{kind}")
+        if first:
+            logger.warning(
+                "%s: refused %s at %s (not followed, not removed); treated as a miss or a "
+                "dropped write, further ones are only counted in stats",
+                type(self).__name__,
+                kind,
+                where,
             )
 
 

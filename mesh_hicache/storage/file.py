@@ -4,12 +4,18 @@ Layout: ``<root>/<key string>`` (``v1/<ns digest>/<region>/<page hash>/<slice ta
 each file a 64-byte header (``keys.py``) followed by the payload.
 
 - Writes are atomic: a temp file (``.tmp-*``, never a valid key name) in the target
-  directory, then ``os.replace``. Readers see a whole object or none; a crashed writer
-  leaves only a temp file, which readers ignore and cleanup removes after an hour.
-- Keys cannot escape the root: the key string is re-checked against the grammar and the
-  resolved path must lie under the resolved root (symlinks included).
+  directory, then a rename. Readers see a whole object or none. A crashed writer leaves
+  only a temp file, which readers ignore; every open of a root removes temp files whose
+  writer process is gone (same host) or that are older than ``stale_tmp_s``.
+- Keys cannot escape the root, even while someone else rewrites the tree: the key string
+  is re-checked against the grammar, the root is held open as a directory descriptor,
+  and every key is resolved from it one component at a time with ``O_NOFOLLOW``
+  (``safe_dir.py``). A symlink, or anything but a directory / regular file, on the way to
+  an object is refused: a miss (or a dropped write) plus one warning per kind, counted in
+  ``stats.unsafe``; it is never followed and never removed.
 - Several processes may share a root (different ranks write different keys; the same
   key written twice holds the same bytes, and the last rename wins).
+- A read-only or full store drops writes (one warning per reason) and keeps serving reads.
 - Size cap (``max_bytes``, header bytes included): LRU by access time. Every hit and
   every ``put`` of a present object stamps the file's atime (mtime stays the write
   time), so all processes share one recency order. A process rescans the tree when its
@@ -21,9 +27,12 @@ each file a 64-byte header (``keys.py``) followed by the payload.
 from __future__ import annotations
 
 import errno
+import hashlib
 import itertools
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 import uuid
@@ -33,24 +42,34 @@ from typing import BinaryIO
 
 import torch
 
-from mesh_hicache.storage.base import StorageBackend, check_batch
+from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
 from mesh_hicache.storage.keys import (
     HEADER_SIZE,
     KEY_PATTERN,
     ObjectError,
     StorageKey,
     check_key_str,
-    check_payload,
-    decode_header,
-    encode_header,
     tensor_bytes,
+)
+from mesh_hicache.storage.safe_dir import (
+    FILE_CREATE_FLAGS,
+    FILE_READ_FLAGS,
+    DirCache,
+    UnsafeEntry,
+    entry_kind,
+    refused,
 )
 
 logger = logging.getLogger(__name__)
 
 _TMP_PREFIX = ".tmp-"
-_STALE_TMP_NS = 3600 * 10**9
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_DROP_ERRNOS = {
+    errno.ENOSPC: "store full",
+    errno.EDQUOT: "quota exceeded",
+    errno.EROFS: "read-only store",
+    errno.EACCES: "no write permission",
+    errno.EPERM: "no write permission",
+}
 
 
 def _clock_ns() -> int:
@@ -63,13 +82,35 @@ def _write_payload(f: BinaryIO, payload: memoryview) -> None:
     f.write(payload)
 
 
+def _host_tag() -> str:
+    """8 hex chars naming this host in temp file names (pids are per host)."""
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _split(key_str: str) -> tuple[tuple[str, ...], str]:
+    parts = key_str.split("/")
+    return tuple(parts[:-1]), parts[-1]
+
+
 class FileStorage(StorageBackend):
     """Objects as files under ``root``; see the module docstring for the guarantees.
 
-    ``root`` is created if missing. ``max_bytes`` (None = unbounded) caps the bytes of
-    all objects under the root; an object larger than the cap is dropped (``put`` ->
-    False). ``fsync`` makes each write durable before its rename (off by default: the
-    checksum already turns a torn file after a crash into a miss).
+    ``root`` (non-empty) is created if missing. ``max_bytes`` (None = unbounded) caps the
+    bytes of all objects under the root; an object larger than the cap is dropped
+    (``put`` -> False). ``fsync`` makes each write durable before its rename (off by
+    default: the checksum already turns a torn file after a crash into a miss).
+    ``stale_tmp_s``: age after which any temp file counts as abandoned. ``secret`` /
+    ``secret_file``: seal objects with a keyed MAC (``base.load_secret``).
     """
 
     def __init__(
@@ -79,30 +120,45 @@ class FileStorage(StorageBackend):
         *,
         fsync: bool = False,
         low_watermark: float = 0.9,
+        stale_tmp_s: float = 3600.0,
+        secret: bytes | str | None = None,
+        secret_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        super().__init__()
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+        super().__init__(secret=load_secret(secret, secret_file))
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0
+        ):
             raise ValueError(
                 f"FileStorage max_bytes must be a positive int or None, got {max_bytes!r}"
             )
         if not 0.0 < low_watermark <= 1.0:
             raise ValueError(f"FileStorage low_watermark must be in (0, 1], got {low_watermark!r}")
+        if not stale_tmp_s > 0:
+            raise ValueError(f"FileStorage stale_tmp_s must be > 0, got {stale_tmp_s!r}")
+        if not str(root):
+            raise ValueError("FileStorage root must not be empty")
         self._root = Path(root).resolve()
-        self._root.mkdir(parents=True, exist_ok=True)
         self._max_bytes = max_bytes
         self._fsync = fsync
         self._low_watermark = low_watermark
-        self._lock = threading.Lock()  # guards the accounting and the stamp clock
+        self._stale_tmp_ns = int(stale_tmp_s * 1e9)
+        self._lock = threading.Lock()  # guards the accounting, the stamp clock, the root fd
         self._scan_lock = threading.Lock()  # one rescan/eviction at a time
         self._last_stamp_ns = 0
         self._scanned_bytes = 0
         self._written_since_scan = 0
-        self._warned_full = False
+        self._warned_drops: set[str] = set()
+        self._retired_fds: list[int] = []  # old root fds: other threads may still use them
+        self._root_fd = -1
+        self._open_root()
+        host, pid = _host_tag(), os.getpid()
         self._tmp_names = (
-            f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count()
+            f"{_TMP_PREFIX}{host}-{pid}-{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count()
         )
         if max_bytes is not None:
             self._enforce_cap(force=True)
+        else:
+            self._scan()  # removes stale temp files
 
     @property
     def root(self) -> Path:
@@ -110,88 +166,147 @@ class FileStorage(StorageBackend):
         return self._root
 
     def object_path(self, key: StorageKey) -> Path:
-        """The file of ``key``; ValueError if the key string is malformed or would escape."""
-        key_str = check_key_str(key.to_str())
-        path = (self._root / key_str).resolve()
-        if path == self._root or not path.is_relative_to(self._root):
-            raise ValueError(f"storage key {key_str!r} resolves outside the root {self._root}")
-        return path
+        """Where the file of ``key`` lives (for inspection; this backend never opens it by
+        path). ValueError if the key string is malformed."""
+        return self._root / check_key_str(key.to_str())
 
     # -- interface -------------------------------------------------------------------------
 
     def exists(self, keys: Sequence[StorageKey]) -> int:
-        for i, key in enumerate(keys):
-            if not self.object_path(key).is_file():
-                return i
+        with self._dirs() as dirs:
+            for i, key in enumerate(keys):
+                dir_parts, name = _split(check_key_str(key.to_str()))
+                try:
+                    d = dirs.get(dir_parts, create=False)
+                    if d is None:
+                        return i
+                    mode = os.stat(name, dir_fd=d, follow_symlinks=False).st_mode
+                    if not stat.S_ISREG(mode):
+                        raise UnsafeEntry(entry_kind(mode), str(self.object_path(key)))
+                except FileNotFoundError:
+                    return i
+                except UnsafeEntry as bad:
+                    self._record_unsafe(bad.kind, bad.where, miss=False)
+                    return i
         return len(keys)
 
     def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
         check_batch(keys, dst, "FileStorage.get")
-        hits = [self._get_one(key, out) for key, out in zip(keys, dst, strict=True)]
+        with self._dirs() as dirs:
+            hits = [self._get_one(dirs, key, out) for key, out in zip(keys, dst, strict=True)]
         self._count(gets=len(hits))
         return hits
 
     def put(self, keys: Sequence[StorageKey], src: Sequence[torch.Tensor]) -> list[bool]:
         check_batch(keys, src, "FileStorage.put")
-        return [self._put_one(key, data) for key, data in zip(keys, src, strict=True)]
+        flags = []
+        dirs = self._dirs()
+        try:
+            for key, data in zip(keys, src, strict=True):
+                try:
+                    flags.append(self._put_one(dirs, key, data))
+                except FileNotFoundError:
+                    if not self._reopen_root_if_gone():
+                        raise
+                    dirs.close()  # the root was removed: start over from a new one
+                    dirs = self._dirs()
+                    flags.append(self._put_one(dirs, key, data))
+        finally:
+            dirs.close()
+        return flags
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._retired_fds = [self._root_fd, *self._retired_fds], []
+            self._root_fd = -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     # -- one object ------------------------------------------------------------------------
 
-    def _get_one(self, key: StorageKey, dst: torch.Tensor) -> bool:
-        path = self.object_path(key)
-        key_str = key.to_str()
+    def _get_one(self, dirs: DirCache, key: StorageKey, dst: torch.Tensor) -> bool:
+        key_str = check_key_str(key.to_str())
         view = tensor_bytes(dst)
+        dir_parts, name = _split(key_str)
+        where = str(self.object_path(key))
         try:
-            f = open(path, "rb")
+            d = dirs.get(dir_parts, create=False)
+            if d is None:
+                raise FileNotFoundError(where)
+            try:
+                fd = os.open(name, FILE_READ_FLAGS, dir_fd=d)
+            except OSError as err:
+                bad = refused(err, d, name, where)
+                if bad is not None:
+                    raise bad from None
+                raise
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise UnsafeEntry(entry_kind(st.st_mode), where)
         except FileNotFoundError:
             self._count(get_misses=1)
             return False
-        with f:
+        except UnsafeEntry as bad:
+            self._record_unsafe(bad.kind, bad.where, miss=True)
+            return False
+        with open(fd, "rb") as f:
             try:
-                nbytes, checksum = decode_header(key_str, f.read(HEADER_SIZE))
-                if nbytes != view.nbytes:
+                header = self.codec.decode_header(key_str, f.read(HEADER_SIZE))
+                if header.nbytes != view.nbytes:
                     raise ObjectError(
-                        "length", f"object holds {nbytes} bytes, destination {view.nbytes}"
+                        "length", f"object holds {header.nbytes} bytes, destination {view.nbytes}"
                     )
                 got = _read_into(f, view)
-                if got != nbytes:
-                    raise ObjectError("short", f"payload of {got} bytes, header says {nbytes}")
+                if got != header.nbytes:
+                    raise ObjectError(
+                        "short", f"payload of {got} bytes, header says {header.nbytes}"
+                    )
                 if f.read(1):
                     raise ObjectError("length", "trailing bytes after the payload")
-                check_payload(view, nbytes, checksum)
+                self.codec.check_payload(header, view)
             except ObjectError as err:
                 self._record_corrupt(err.kind, key_str, str(err))
-                self._remove_bad(path)
+                self._remove_bad(d, name, st)
                 return False
-            mtime_ns = os.fstat(f.fileno()).st_mtime_ns
-        self._touch(path, mtime_ns)
+            self._touch(fd, None, st.st_mtime_ns)
         self._count(get_hits=1, get_bytes=view.nbytes)
         return True
 
-    def _put_one(self, key: StorageKey, src: torch.Tensor) -> bool:
-        path = self.object_path(key)
-        key_str = key.to_str()
+    def _put_one(self, dirs: DirCache, key: StorageKey, src: torch.Tensor) -> bool:
+        key_str = check_key_str(key.to_str())
         view = tensor_bytes(src)
         size = HEADER_SIZE + view.nbytes
         if self._max_bytes is not None and size > self._max_bytes:
-            self._drop(f"object of {size} bytes exceeds max_bytes={self._max_bytes}")
+            self._drop("too large", f"object of {size} bytes exceeds max_bytes={self._max_bytes}")
             return False
+        dir_parts, name = _split(key_str)
+        where = str(self.object_path(key))
         try:
-            st = path.stat()
-        except FileNotFoundError:
-            pass
-        else:
-            self._touch(path, st.st_mtime_ns)
-            self._count(already_present=1)
-            return True
-        header = encode_header(key_str, view)
-        try:
-            self._write_atomic(path, header, view)
+            d = dirs.get(dir_parts, create=True)
+            assert d is not None
+            try:
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
+            else:
+                if not stat.S_ISREG(st.st_mode):
+                    raise UnsafeEntry(entry_kind(st.st_mode), where)
+                self._touch(d, name, st.st_mtime_ns)
+                self._count(already_present=1)
+                return True
+            self._write_atomic(dirs, dir_parts, name, self.codec.encode_header(key_str, view), view)
+        except UnsafeEntry as bad:
+            self._record_unsafe(bad.kind, bad.where, miss=False)
+            self._count(dropped=1)
+            return False
         except OSError as err:
-            if err.errno in _FULL_ERRNOS:
-                self._drop(f"{err.strerror} while writing {key_str}")
-                return False
-            raise
+            reason = _DROP_ERRNOS.get(err.errno or 0)
+            if reason is None:
+                raise
+            self._drop(reason, f"{err.strerror} while writing {key_str}")
+            return False
         self._count(puts=1, put_bytes=view.nbytes)
         if self._max_bytes is not None:
             with self._lock:
@@ -199,32 +314,68 @@ class FileStorage(StorageBackend):
             self._enforce_cap(force=False)
         return True
 
-    def _write_atomic(self, path: Path, header: bytes, payload: memoryview) -> None:
-        tmp = path.parent / next(self._tmp_names)
+    def _write_atomic(
+        self,
+        dirs: DirCache,
+        dir_parts: tuple[str, ...],
+        name: str,
+        header: bytes,
+        payload: memoryview,
+    ) -> None:
+        tmp = next(self._tmp_names)
         for attempt in range(3):
+            d = dirs.get(dir_parts, create=True)
+            assert d is not None
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                f = open(tmp, "xb")
+                fd = os.open(tmp, FILE_CREATE_FLAGS, 0o644, dir_fd=d)
                 break
             except FileNotFoundError:
                 # Another process's eviction removed the (empty) directory in between.
+                dirs.forget(dir_parts)
                 if attempt == 2:
                     raise
         try:
-            try:
+            with open(fd, "wb") as f:
                 f.write(header)
                 _write_payload(f, payload)
                 f.flush()
                 if self._fsync:
-                    os.fsync(f.fileno())
-            finally:
-                f.close()
-            stamp = self._stamp()
-            os.utime(tmp, ns=(stamp, stamp))
-            os.replace(tmp, path)
+                    os.fsync(fd)
+                stamp = self._stamp()
+                os.utime(fd, ns=(stamp, stamp))
+            os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            try:
+                os.unlink(tmp, dir_fd=d)
+            except OSError:
+                pass
             raise
+
+    # -- root ------------------------------------------------------------------------------
+
+    def _open_root(self) -> None:
+        self._root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        with self._lock:
+            if self._root_fd >= 0:
+                self._retired_fds.append(self._root_fd)
+            self._root_fd = fd
+
+    def _reopen_root_if_gone(self) -> bool:
+        """Reopen (recreating) the root if its directory was removed; True if it was."""
+        with self._lock:
+            fd = self._root_fd
+        if fd < 0:
+            raise RuntimeError("FileStorage is closed")
+        if os.fstat(fd).st_nlink > 0:
+            return False
+        self._open_root()
+        return True
+
+    def _dirs(self) -> DirCache:
+        self._reopen_root_if_gone()
+        with self._lock:
+            return DirCache(self._root_fd, str(self._root))
 
     # -- recency, cleanup ------------------------------------------------------------------
 
@@ -234,28 +385,43 @@ class FileStorage(StorageBackend):
             self._last_stamp_ns = max(_clock_ns(), self._last_stamp_ns + 1)
             return self._last_stamp_ns
 
-    def _touch(self, path: Path, mtime_ns: int) -> None:
-        """Mark an object used (LRU): set its atime, keep its mtime."""
+    def _touch(self, fd: int, name: str | None, mtime_ns: int) -> None:
+        """Mark an object used (LRU): set its atime, keep its mtime. ``name`` None: ``fd``
+        is the object itself, else its directory."""
         if self._max_bytes is None:
             return
+        times = (self._stamp(), mtime_ns)
         try:
-            os.utime(path, ns=(self._stamp(), mtime_ns))
-        except FileNotFoundError:
-            pass  # evicted by another process meanwhile
+            if name is None:
+                os.utime(fd, ns=times)
+            else:
+                os.utime(name, ns=times, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            pass  # evicted by another process meanwhile, or not ours to stamp
 
-    def _remove_bad(self, path: Path) -> None:
-        # Remove so that the next put can store a good copy (puts never rewrite).
+    def _remove_bad(self, dir_fd: int, name: str, bad: os.stat_result) -> None:
+        # Remove so that the next put can store a good copy (puts never rewrite), but only
+        # the very file that failed: a good copy renamed in meanwhile stays.
         try:
-            path.unlink()
-        except FileNotFoundError:
+            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (bad.st_dev, bad.st_ino):
+                os.unlink(name, dir_fd=dir_fd)
+        except OSError:
             pass
 
-    def _drop(self, why: str) -> None:
+    def _drop(self, reason: str, detail: str) -> None:
         self._count(dropped=1)
         with self._lock:
-            first, self._warned_full = not self._warned_full, True
+            first = reason not in self._warned_drops
+            self._warned_drops.add(reason)
         if first:
-            logger.warning("FileStorage(%s): put dropped: %s (counted in stats)", self._root, why)
+            logger.warning(
+                "FileStorage(%s): put dropped (%s): %s; further drops for this reason are "
+                "only counted in stats",
+                self._root,
+                reason,
+                detail,
+            )
 
     def _enforce_cap(self, *, force: bool) -> None:
         cap = self._max_bytes
@@ -269,46 +435,74 @@ class FileStorage(StorageBackend):
             objects, total = self._scan()
             if total > cap:
                 objects.sort()
-                target = int(cap * self._low_watermark)
-                for _atime, path, size in objects:
-                    if total <= target:
-                        break
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass  # another process evicted it first
-                    else:
-                        self._count(evicted=1)
-                        _rmdir_if_empty(os.path.dirname(path))
-                    total -= size
+                total = self._evict(objects, total, int(cap * self._low_watermark))
             with self._lock:
                 self._scanned_bytes = total
                 self._written_since_scan = 0
         finally:
             self._scan_lock.release()
 
+    def _evict(self, objects: list[tuple[int, str, int]], total: int, target: int) -> int:
+        """Remove the oldest of ``objects`` until ``total`` <= ``target``; the new total."""
+        with self._dirs() as dirs:
+            for _atime, rel, size in objects:
+                if total <= target:
+                    break
+                dir_parts, name = _split(rel)
+                try:
+                    d = dirs.get(dir_parts, create=False)
+                    if d is not None:
+                        os.unlink(name, dir_fd=d)
+                        self._count(evicted=1)
+                        parent = dirs.get(dir_parts[:-1], create=False)
+                        if parent is not None:
+                            os.rmdir(dir_parts[-1], dir_fd=parent)
+                            dirs.forget(dir_parts)
+                except (OSError, UnsafeEntry):
+                    pass  # evicted by another process first, or the directory is not empty
+                total -= size
+        return total
+
     def _scan(self) -> tuple[list[tuple[int, str, int]], int]:
-        """All objects as ``(atime_ns, path, size)`` and their total size; drops stale temps."""
+        """All objects as ``(atime_ns, relative path, size)`` and their total size; removes
+        stale temp files. Walks by descriptor, never following symlinks."""
         objects: list[tuple[int, str, int]] = []
         total = 0
         now = time.time_ns()
-        root = str(self._root)
-        for dirpath, _dirnames, filenames in os.walk(root):
+        with self._lock:
+            root_fd = self._root_fd
+        for dirpath, _dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=root_fd):
             for name in filenames:
-                path = os.path.join(dirpath, name)
                 try:
-                    st = os.stat(path)
-                except FileNotFoundError:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                except OSError:
                     continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # never count, evict or remove what is not a plain file
                 if name.startswith(_TMP_PREFIX):
-                    if now - st.st_mtime_ns > _STALE_TMP_NS:
-                        Path(path).unlink(missing_ok=True)
+                    if self._is_stale_tmp(name, st.st_mtime_ns, now):
+                        try:
+                            os.unlink(name, dir_fd=dir_fd)
+                        except OSError:
+                            pass  # gone already, or a read-only store
                     continue
-                if not KEY_PATTERN.fullmatch(os.path.relpath(path, root)):
+                rel = os.path.normpath(os.path.join(dirpath, name))
+                if not KEY_PATTERN.fullmatch(rel):
                     continue  # not ours: never count or evict foreign files
-                objects.append((st.st_atime_ns, path, st.st_size))
+                objects.append((st.st_atime_ns, rel, st.st_size))
                 total += st.st_size
         return objects, total
+
+    def _is_stale_tmp(self, name: str, mtime_ns: int, now_ns: int) -> bool:
+        """A temp file is abandoned when older than the bound or its writer (on this host,
+        by pid) is gone. Temps of this process may belong to a write in flight."""
+        if now_ns - mtime_ns > self._stale_tmp_ns:
+            return True
+        fields = name[len(_TMP_PREFIX) :].split("-")
+        if len(fields) != 4 or fields[0] != _host_tag() or not fields[1].isdigit():
+            return False
+        pid = int(fields[1])
+        return pid != os.getpid() and not _pid_alive(pid)
 
 
 def _read_into(f: BinaryIO, view: memoryview) -> int:
@@ -320,10 +514,3 @@ def _read_into(f: BinaryIO, view: memoryview) -> int:
             break
         done += n
     return done
-
-
-def _rmdir_if_empty(path: str) -> None:
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass  # not empty (or already gone): keep it

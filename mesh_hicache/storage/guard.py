@@ -1,10 +1,19 @@
 """Degraded mode: a failing L3 backend turns into misses, never into failed requests.
 
-``GuardedStorage`` wraps any backend. The first exception marks it degraded and logs
-one warning; from then on calls answer at once as misses (``exists`` -> 0, ``get`` /
-``put`` -> all False) without touching the backend, except one real call every
-``retry_interval_s``: if that succeeds the backend is used again (one info log), if it
-fails the guard stays degraded silently. The cache keeps serving from L1 + L2.
+``GuardedStorage`` wraps any backend. Any exception a backend raises (an I/O error, a
+lost connection, but also a ``ValueError``, ``KeyError`` or ``AssertionError`` from a
+buggy or confused backend) marks it degraded; it is counted in ``stats.errors`` and
+``stats.errors_by_kind`` (``put`` failures also in ``stats.write_errors``, so backups
+lost on a background write thread are visible) and logged as one warning per exception
+type for the guard's lifetime (later ones at debug level, so a store that keeps failing
+the same way does not log on every retry). While degraded, calls answer at once as
+misses (``exists`` -> 0, ``get`` / ``put`` -> all False) without touching the backend,
+except one real call every ``retry_interval_s``: if that succeeds the backend is used
+again (one info log). The cache keeps serving from L1 + L2.
+
+Caller bugs are still raised, checked here before the backend is called: keys that
+are not ``StorageKey`` objects, batches of unequal lengths, non-CPU or non-contiguous
+tensors (ValueError/TypeError).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from mesh_hicache.storage.base import StorageBackend, StorageStats, check_batch
-from mesh_hicache.storage.keys import StorageKey
+from mesh_hicache.storage.keys import StorageKey, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +41,9 @@ class GuardedStorage(StorageBackend):
     Give either ``backend`` or ``connect`` (a zero-argument factory, called lazily and
     retried like any call, so a store that is unreachable at start-up also degrades
     instead of failing the constructor). ``clock`` is injectable for tests. Input
-    errors (ValueError/TypeError: malformed keys, mismatched batch lengths, bad
-    tensors) are the caller's bug and are re-raised, not treated as an outage.
+    errors (ValueError/TypeError: non-key keys, mismatched batch lengths, bad tensors)
+    are the caller's bug, checked before the backend is called, and raised; everything
+    the backend raises is an outage (see the module docstring).
     """
 
     def __init__(
@@ -59,6 +69,7 @@ class GuardedStorage(StorageBackend):
         self._failed_at = 0.0
         self._buffers: list[torch.Tensor] = []
         self._registered = 0  # how many of _buffers the current backend has seen
+        self._warned_errors: set[str] = set()
 
     @property
     def degraded(self) -> bool:
@@ -75,27 +86,39 @@ class GuardedStorage(StorageBackend):
     def register_buffer(self, buffer: torch.Tensor) -> None:
         # Remembered, so a backend that connects or recovers later still sees them.
         self._buffers.append(buffer)
-        self._call(lambda b: None, None)
+        self._call(lambda b: None, None, "register_buffer")
 
     def exists(self, keys: Sequence[StorageKey]) -> int:
+        _check_keys(keys, "GuardedStorage.exists")
         if not keys:
             return 0
-        return self._call(lambda b: b.exists(keys), 0)[0]
+        n, live = self._call(lambda b: b.exists(keys), 0, "exists")
+        if live and not (isinstance(n, int) and 0 <= n <= len(keys)):
+            self._on_failure(ValueError(f"exists() answered {n!r} for {len(keys)} keys"), False)
+            return 0
+        return n
 
     def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
-        check_batch(keys, dst, "GuardedStorage.get")
+        _check_io(keys, dst, "GuardedStorage.get")
         if not keys:
             return []
-        hits, live = self._call(lambda b: b.get(keys, dst), [False] * len(keys))
+        hits, live = self._call(lambda b: b.get(keys, dst), [False] * len(keys), "get")
+        if live and not _is_flags(hits, len(keys)):
+            self._on_failure(ValueError(f"get() answered {hits!r} for {len(keys)} keys"), False)
+            hits, live = [False] * len(keys), False
         if not live:
             self._count(gets=len(keys), get_misses=len(keys))
-        return hits
+        return [bool(h) for h in hits]
 
     def put(self, keys: Sequence[StorageKey], src: Sequence[torch.Tensor]) -> list[bool]:
-        check_batch(keys, src, "GuardedStorage.put")
+        _check_io(keys, src, "GuardedStorage.put")
         if not keys:
             return []
-        return self._call(lambda b: b.put(keys, src), [False] * len(keys))[0]
+        flags, live = self._call(lambda b: b.put(keys, src), [False] * len(keys), "put")
+        if live and not _is_flags(flags, len(keys)):
+            self._on_failure(ValueError(f"put() answered {flags!r} for {len(keys)} keys"), True)
+            return [False] * len(keys)
+        return [bool(f) for f in flags]
 
     def close(self) -> None:
         backend, self._backend = self._backend, None
@@ -117,9 +140,14 @@ class GuardedStorage(StorageBackend):
                 inner = self._backend.stats
             except Exception:  # a dead backend may not answer; report what we know
                 pass
+        by_kind = dict(inner.errors_by_kind)
+        for kind, n in own.errors_by_kind.items():
+            by_kind[kind] = by_kind.get(kind, 0) + n
         return dataclasses.replace(
             inner,
             errors=inner.errors + own.errors,
+            errors_by_kind=by_kind,
+            write_errors=inner.write_errors + own.write_errors,
             skipped=inner.skipped + own.skipped,
             get_misses=inner.get_misses + own.get_misses,
             gets=inner.gets + own.gets,
@@ -128,7 +156,7 @@ class GuardedStorage(StorageBackend):
 
     # -- the guard -------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[StorageBackend], _T], miss: _T) -> tuple[_T, bool]:
+    def _call(self, fn: Callable[[StorageBackend], _T], miss: _T, op: str) -> tuple[_T, bool]:
         """``(fn(backend), True)``, or ``(miss, False)`` when degraded or on failure."""
         with self._state_lock:
             retrying = self._degraded
@@ -138,10 +166,8 @@ class GuardedStorage(StorageBackend):
         try:
             backend = self._ensure_backend()
             result = fn(backend)
-        except (ValueError, TypeError):
-            raise
         except Exception as err:
-            self._on_failure(err, retrying)
+            self._on_failure(err, op == "put")
             return miss, False
         if retrying:
             with self._state_lock:
@@ -162,17 +188,42 @@ class GuardedStorage(StorageBackend):
                 self._registered += 1
             return self._backend
 
-    def _on_failure(self, err: Exception, retrying: bool) -> None:
-        self._count(errors=1)
+    def _on_failure(self, err: Exception, write: bool) -> None:
+        kind = type(err).__name__
+        with self._stats_lock:
+            self._stats.errors += 1
+            self._stats.write_errors += int(write)
+            self._stats.errors_by_kind[kind] = self._stats.errors_by_kind.get(kind, 0) + 1
+            first = kind not in self._warned_errors
+            self._warned_errors.add(kind)
         with self._state_lock:
             self._degraded = True
             self._failed_at = self._clock()
-        if retrying:
-            logger.debug("storage backend still failing: %r", err)
-        else:
+        if first:
             logger.warning(
-                "storage backend failed (%r); L3 disabled, serving from device and host "
-                "only, retrying every %.0f s",
+                "storage backend failed (%r)%s; L3 disabled, serving from device and host "
+                "only, retrying every %.0f s; further %s failures are only counted in stats",
                 err,
+                " on a write, the backup is dropped" if write else "",
                 self._retry_interval_s,
+                kind,
             )
+        else:
+            logger.debug("storage backend failing: %r", err)
+
+
+def _check_keys(keys: Sequence[StorageKey], what: str) -> None:
+    for key in keys:
+        if not isinstance(key, StorageKey):
+            raise TypeError(f"{what}: keys must be StorageKey objects, got {key!r}")
+
+
+def _check_io(keys: Sequence[StorageKey], tensors: Sequence[torch.Tensor], what: str) -> None:
+    check_batch(keys, tensors, what)
+    _check_keys(keys, what)
+    for t in tensors:
+        tensor_bytes(t)  # TypeError/ValueError: not a CPU, contiguous tensor
+
+
+def _is_flags(flags: object, n: int) -> bool:
+    return isinstance(flags, list) and len(flags) == n

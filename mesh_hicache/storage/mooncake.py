@@ -38,15 +38,12 @@ from typing import Any
 
 import torch
 
-from mesh_hicache.storage.base import StorageBackend, check_batch
+from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
 from mesh_hicache.storage.keys import (
     HEADER_SIZE,
     ObjectError,
     StorageKey,
     check_key_str,
-    check_payload,
-    decode_header,
-    encode_header,
     tensor_bytes,
 )
 
@@ -111,7 +108,8 @@ class MooncakeStorage(StorageBackend):
     processes and survive this process; objects placed in a contributed segment vanish
     when this process exits. ``local_buffer_size`` is Mooncake's own staging buffer
     (bytes), used only by its non-zero-copy calls. ``probe_timeout_s`` bounds the TCP
-    probe of the master while it is unreachable.
+    probe of the master while it is unreachable. ``secret`` / ``secret_file`` seal
+    objects with a keyed MAC (``base.load_secret``), as in every backend.
 
     Raises ``MooncakeUnavailable`` when the store cannot be set up (master down) and
     ImportError when the ``mooncake`` package is missing.
@@ -128,8 +126,10 @@ class MooncakeStorage(StorageBackend):
         local_buffer_size: int = 16 << 20,
         rdma_devices: str = "",
         probe_timeout_s: float = 0.5,
+        secret: bytes | str | None = None,
+        secret_file: str | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(secret=load_secret(secret, secret_file))
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"MooncakeStorage protocol must be 'tcp' or 'rdma', got {protocol!r}")
         for name, value in (
@@ -269,7 +269,7 @@ class MooncakeStorage(StorageBackend):
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
         for j, i in enumerate(todo):
-            header_bytes[j * HEADER_SIZE : (j + 1) * HEADER_SIZE] = encode_header(
+            header_bytes[j * HEADER_SIZE : (j + 1) * HEADER_SIZE] = self.codec.encode_header(
                 names[i], views[i]
             )
             nbytes = views[i].nbytes
@@ -334,10 +334,12 @@ class MooncakeStorage(StorageBackend):
             payload = tensor_bytes(stage_at[i]) if i in stage_at else views[i]
             header = header_bytes[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
             try:
-                nbytes, checksum = decode_header(names[i], header)
-                if nbytes != views[i].nbytes:
-                    raise ObjectError("length", f"header says {nbytes}, dst {views[i].nbytes}")
-                check_payload(payload, nbytes, checksum)
+                decoded = self.codec.decode_header(names[i], header)
+                if decoded.nbytes != views[i].nbytes:
+                    raise ObjectError(
+                        "length", f"header says {decoded.nbytes}, dst {views[i].nbytes}"
+                    )
+                self.codec.check_payload(decoded, payload)
             except ObjectError as err:
                 self._record_corrupt(err.kind, names[i], str(err))
                 continue

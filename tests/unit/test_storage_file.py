@@ -179,14 +179,22 @@ def test_traversal_is_rejected(store, evil):
     assert not any(p.is_file() for p in store.root.parent.rglob("*"))
 
 
-def test_symlink_escape_is_rejected(store, tmp_path):
+def test_symlink_escape_is_refused(store, tmp_path, caplog):
+    # A symlink in the root is refused (a drop / a miss and one warning), not followed,
+    # not removed, and never raises.
     outside = tmp_path / "outside"
     outside.mkdir()
     link = store.root / "v1"
     link.symlink_to(outside, target_is_directory=True)
-    with pytest.raises(ValueError):
-        store.put_one(key(1), page(1))
+    with caplog.at_level(logging.WARNING, logger="mesh_hicache"):
+        assert store.put([key(1), key(2)], [page(1), page(2)]) == [False, False]
+        assert store.exists([key(1)]) == 0
+        assert store.get_one(key(1), page(1)) is False
     assert not any(outside.rglob("*"))
+    assert link.is_symlink()
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    st = store.stats
+    assert st.unsafe == 4 and st.dropped == 2 and st.get_misses == 1
 
 
 def test_interrupted_write_leaves_no_object(store, monkeypatch):

@@ -27,11 +27,12 @@ def key(i: int) -> StorageKey:
 
 
 class Flaky(StorageBackend):
-    """An in-memory backend that raises ConnectionError while ``down`` is set."""
+    """An in-memory backend that raises ``error`` (ConnectionError) while ``down`` is set."""
 
     def __init__(self) -> None:
         super().__init__()
         self.down = True
+        self.error: Exception = ConnectionError("store unreachable")
         self.calls = 0
         self.objects: dict[str, bytes] = {}
         self.buffers: list[torch.Tensor] = []
@@ -39,7 +40,7 @@ class Flaky(StorageBackend):
     def _hit(self) -> None:
         self.calls += 1
         if self.down:
-            raise ConnectionError("store unreachable")
+            raise self.error
 
     def register_buffer(self, buffer: torch.Tensor) -> None:
         self._hit()
@@ -120,11 +121,20 @@ def test_recovery_after_retry_interval(caplog):
         assert guard.exists([key(0), key(1)]) == 1
     infos = [r for r in caplog.records if r.levelno == logging.INFO and "back" in r.getMessage()]
     assert len(infos) == 1 and len(warnings_in(caplog)) == 1
-    # A second outage warns again (once).
+    # A second outage of another kind warns again (once); one of a kind already
+    # reported is only counted (a store failing the same way does not log every retry).
     inner.down = True
+    inner.error = TimeoutError("store timed out")
     with caplog.at_level(logging.WARNING, logger="mesh_hicache"):
         assert guard.exists([key(0)]) == 0
     assert len(warnings_in(caplog)) == 2 and guard.degraded
+    inner.down, clock.t = False, 20.0
+    assert guard.exists([key(0)]) == 1 and not guard.degraded
+    inner.down, inner.error = True, ConnectionError("store unreachable")
+    with caplog.at_level(logging.WARNING, logger="mesh_hicache"):
+        assert guard.exists([key(0)]) == 0 and guard.degraded
+    assert len(warnings_in(caplog)) == 2
+    assert guard.stats.errors_by_kind == {"ConnectionError": 2, "TimeoutError": 1}
 
 
 def test_buffers_are_registered_when_the_backend_comes_back():
