@@ -10,18 +10,21 @@ submission, before anything is queued.
 
 Contract:
 
-- Operations run in submission order, one at a time, on a worker; copies go layer by
-  layer in increasing global layer id, and within a layer are batched per region (all of
-  the operation's pages at once through a preallocated staging buffer; never per token).
+- Operations run in submission order on one worker thread; copies go layer by layer in
+  increasing global layer id. Pointers and strides of every (layer, part) are computed
+  once at construction (:mod:`mesh_hicache.transfer.segments`); an operation's row
+  addresses are computed in bulk and its rows copied in as few native calls as the
+  index pattern allows (never per token). The worker takes every queued operation at
+  each wake-up and runs them back to back.
 - ``handle.wait_layer(layer_id)`` (a global layer id held by this rank) blocks until that
   layer's data of the operation is in place and returns True; it returns False (never
   hangs) once the operation failed before finishing that layer. ``handle.wait()`` blocks
   until the operation finished and returns ``ok``.
-- Every operation completes exactly once: its ack (``TransferAck``) is returned by exactly
-  one ``poll()``, in completion order, and its ``on_done`` callback (if any) is called
-  exactly once, on the worker thread, before the ack becomes visible to ``poll``. A
-  failing operation (an exception while copying) acks ``ok=False`` with the error text;
-  the engine keeps serving later operations.
+- Every operation completes exactly once, on success or failure: its handle finishes
+  once and then carries the ack (``handle.ack``, a :class:`TransferAck`). A failing
+  operation (an exception while copying) acks ``ok=False`` with the error text; the
+  engine keeps serving later operations. The handle is the only completion record: the
+  engine keeps nothing of a finished operation, so nothing grows when no one looks.
 - The engine never allocates or frees the caller's pool indices: the controller reserved
   them and frees them after cross-rank agreement on the acks. Staging memory is the
   engine's own and preallocated.
@@ -36,22 +39,19 @@ from __future__ import annotations
 import abc
 import collections
 import enum
-import logging
-import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from mesh_hicache.layout import RegionName
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.spec import Family
+from mesh_hicache.transfer.segments import IndexArray, SegmentTable, build_segments
 
-_log = logging.getLogger(__name__)
-
-IndexList = Sequence[int] | torch.Tensor
+IndexList = Sequence[int] | torch.Tensor | np.ndarray
 IndexPair = tuple[IndexList, IndexList]
 
 
@@ -64,7 +64,7 @@ class TransferKind(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TransferAck:
-    """The completion record of one operation (returned by exactly one ``poll``)."""
+    """The completion record of one operation (``handle.ack`` once it finished)."""
 
     op_id: int
     kind: TransferKind
@@ -75,29 +75,47 @@ class TransferAck:
 class TransferHandle:
     """Completion and per-layer readiness of one operation. Thread-safe."""
 
-    def __init__(self, op_id: int, kind: TransferKind, layer_ids: Sequence[int]) -> None:
+    def __init__(self, op_id: int, kind: TransferKind, layer_ids: tuple[int, ...]) -> None:
         self.op_id = op_id
         self.kind = kind
-        self.layer_ids = tuple(layer_ids)
+        self.layer_ids = layer_ids
         self._cond = threading.Condition()
-        self._layers_done = 0  # layers [0, _layers_done) of layer_ids are in place
+        # Layers [0, _layers_done) of layer_ids are in place. The worker publishes a layer
+        # with a plain store and takes the lock only when someone waits (_waiters > 0):
+        # a waiter registers under the lock BEFORE testing, the worker stores BEFORE
+        # reading _waiters, so one of them always sees the other.
+        self._layers_done = 0
+        self._waiters = 0
         self._finished = False
         self._ok = False
-        self.error: str | None = None
+        self._ack: TransferAck | None = None
 
     # worker side
     def _mark_layers(self, count: int) -> None:
-        with self._cond:
-            self._layers_done = max(self._layers_done, count)
-            self._cond.notify_all()
+        assert count >= self._layers_done
+        self._layers_done = count
+        if self._waiters:
+            with self._cond:
+                self._cond.notify_all()
 
-    def _finish(self, ok: bool, error: str | None) -> None:
+    def _finish(self, ok: bool, error: str | None) -> TransferAck:
         with self._cond:
             assert not self._finished, "an operation finished twice"
             if ok:
                 self._layers_done = len(self.layer_ids)
-            self._ok, self.error, self._finished = ok, error, True
+            self._ok = ok
+            self._ack = TransferAck(self.op_id, self.kind, ok, error)
+            self._finished = True  # last: readers without the lock test it first
             self._cond.notify_all()
+        return self._ack
+
+    def _wait_for(self, ready: object, timeout: float | None) -> None:
+        with self._cond:
+            self._waiters += 1
+            try:
+                self._cond.wait_for(ready, timeout)  # type: ignore[arg-type]
+            finally:
+                self._waiters -= 1
 
     # consumer side
     def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
@@ -112,15 +130,15 @@ class TransferHandle:
             raise ValueError(
                 f"layer {layer_id} is not one of this rank's layers {self.layer_ids}"
             ) from None
-        with self._cond:
-            self._cond.wait_for(lambda: self._layers_done > pos or self._finished, timeout)
-            return self._layers_done > pos
+        if self._layers_done <= pos and not self._finished:
+            self._wait_for(lambda: self._layers_done > pos or self._finished, timeout)
+        return self._layers_done > pos
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the operation finished; return ``ok`` (False on timeout)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._finished, timeout)
-            return self._finished and self._ok
+        if not self._finished:
+            self._wait_for(lambda: self._finished, timeout)
+        return self._finished and self._ok
 
     @property
     def done(self) -> bool:
@@ -130,6 +148,17 @@ class TransferHandle:
     def ok(self) -> bool:
         """True once finished successfully; False while running or after a failure."""
         return self._finished and self._ok
+
+    @property
+    def ack(self) -> TransferAck | None:
+        """The operation's ack once it finished (exactly one per operation), else None."""
+        return self._ack if self._finished else None
+
+    @property
+    def error(self) -> str | None:
+        """The failure text of a failed operation, else None."""
+        ack = self.ack
+        return None if ack is None else ack.error
 
     def __repr__(self) -> str:
         state = "running" if not self._finished else ("ok" if self._ok else "failed")
@@ -143,28 +172,28 @@ class InjectedFailure(RuntimeError):
 @dataclass(slots=True)
 class _Op:
     handle: TransferHandle
-    kv_pages: tuple[torch.Tensor, torch.Tensor]
-    mamba_slots: tuple[torch.Tensor, torch.Tensor]
-    on_done: Callable[[TransferAck], None] | None
+    pages: tuple[IndexArray, IndexArray]
+    """(device, host) page indices, int64, validated."""
+    slots: tuple[IndexArray, IndexArray]
     fail_at: int | None = None
     inject: bool = False
 
+    @property
+    def backup(self) -> bool:
+        return self.handle.kind is TransferKind.BACKUP
 
-@dataclass(frozen=True, slots=True)
-class CopyJob:
-    """Copy rows ``src[src_idx[i]] -> dst[dst_idx[i]]`` (dim 0 indexed; rows contiguous)."""
 
-    src: torch.Tensor
-    src_idx: torch.Tensor
-    dst: torch.Tensor
-    dst_idx: torch.Tensor
+def _index_array(values: IndexList) -> IndexArray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().to("cpu").numpy()
+    return np.array(values, dtype=np.int64, copy=True).reshape(-1)
 
 
 class TransferEngine(abc.ABC):
     """Moves pages and slots between ``device_pools`` and ``host_pools`` (see module doc).
 
-    Subclasses implement :meth:`_run_layers`; this class owns the queue, the worker
-    thread, op ids, acks, callbacks and failure injection.
+    Subclasses implement :meth:`_run`; this class owns the queue, the worker thread, op
+    ids, completion and failure injection.
     """
 
     kind: str = "abstract"
@@ -182,11 +211,14 @@ class TransferEngine(abc.ABC):
             ids.update(layout.family_layers(fam))
         #: This rank's layers in copy order (every family, increasing global id).
         self.layer_ids: tuple[int, ...] = tuple(sorted(ids))
-        self._queue: queue.Queue[_Op | None] = queue.Queue()
-        self._acks: collections.deque[TransferAck] = collections.deque()
-        self._acks_lock = threading.Lock()
+        self.segments = SegmentTable(
+            build_segments(device_pools, host_pools, self.layer_ids), len(self.layer_ids)
+        )
+        #: Worker wake-ups that ran at least one operation (diagnostics: batching).
+        self.num_batches = 0
+        self._pending: collections.deque[_Op] = collections.deque()
+        self._lock = threading.Condition()
         self._next_id = 0
-        self._submit_lock = threading.Lock()
         self._fail_at: int | None = None
         self._fail_armed = False
         self._closed = False
@@ -198,48 +230,33 @@ class TransferEngine(abc.ABC):
     # -- public API -------------------------------------------------------------------------
 
     def backup(
-        self,
-        kv_pages: IndexPair = ((), ()),
-        mamba_slots: IndexPair = ((), ()),
-        on_done: Callable[[TransferAck], None] | None = None,
+        self, kv_pages: IndexPair = ((), ()), mamba_slots: IndexPair = ((), ())
     ) -> TransferHandle:
         """Queue device -> host copies of ``kv_pages`` and ``mamba_slots``."""
-        return self._submit(TransferKind.BACKUP, kv_pages, mamba_slots, on_done)
+        return self._submit(TransferKind.BACKUP, kv_pages, mamba_slots)
 
     def load(
-        self,
-        kv_pages: IndexPair = ((), ()),
-        mamba_slots: IndexPair = ((), ()),
-        on_done: Callable[[TransferAck], None] | None = None,
+        self, kv_pages: IndexPair = ((), ()), mamba_slots: IndexPair = ((), ())
     ) -> TransferHandle:
         """Queue host -> device copies, layer by layer (use ``handle.wait_layer``)."""
-        return self._submit(TransferKind.LOAD, kv_pages, mamba_slots, on_done)
-
-    def poll(self) -> list[TransferAck]:
-        """Acks of operations finished since the last poll, in completion order."""
-        with self._acks_lock:
-            out = list(self._acks)
-            self._acks.clear()
-        return out
+        return self._submit(TransferKind.LOAD, kv_pages, mamba_slots)
 
     def fail_next(self, at_layer: int | None = None) -> None:
         """Tests only: the next submitted operation fails before copying ``at_layer``."""
         if at_layer is not None and at_layer not in self.layer_ids:
             raise ValueError(f"at_layer={at_layer} is not one of {self.layer_ids}")
-        with self._submit_lock:
+        with self._lock:
             self._fail_at, self._fail_armed = at_layer, True
 
     def close(self) -> None:
         """Stop the worker; queued operations ack as failed. Idempotent."""
-        with self._submit_lock:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(None)
+            self._lock.notify_all()
         if self._worker_started:
             self._worker.join()
-        else:
-            self._drain_closed()
 
     @property
     def closed(self) -> bool:
@@ -254,87 +271,52 @@ class TransferEngine(abc.ABC):
     # -- subclass hooks ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _run_layers(
-        self, kind: TransferKind, plan: list[tuple[int, list[CopyJob]]], op: _Op
-    ) -> None:
-        """Run ``plan`` (per layer, its copy jobs) in order; call ``_layer_ready`` per layer.
+    def _run(self, op: _Op) -> None:
+        """Copy ``op`` layer by layer (``self.segments.by_layer``); raise on error.
 
-        Call ``self._check_fault(op, layer_id)`` before each layer's copies. Raise on error.
+        Before each layer's copies call ``self._check_fault(op, position)``; once a layer
+        is in place call ``self._layer_ready(op, position)`` (positions in ``layer_ids``).
         """
-
-    def _index_device(self) -> torch.device:
-        return self.device_pools.device
 
     # -- internals --------------------------------------------------------------------------
 
     def _submit(
-        self,
-        kind: TransferKind,
-        kv_pages: IndexPair,
-        mamba_slots: IndexPair,
-        on_done: Callable[[TransferAck], None] | None,
+        self, kind: TransferKind, kv_pages: IndexPair, mamba_slots: IndexPair
     ) -> TransferHandle:
         dev, host = self.device_pools, self.host_pools
-        kv = self._indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
-        mb = self._indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
-        with self._submit_lock:
+        pages = self._indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
+        slots = self._indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
+        with self._lock:
             if self._closed:
                 raise RuntimeError("transfer engine is closed")
-            handle = TransferHandle(self._next_id, kind, self.layer_ids)
+            op = _Op(TransferHandle(self._next_id, kind, self.layer_ids), pages, slots)
             self._next_id += 1
-            op = _Op(handle, kv, mb, on_done)
             if self._fail_armed:
                 op.inject, op.fail_at = True, self._fail_at
                 self._fail_armed, self._fail_at = False, None
+            self._pending.append(op)
             if not self._worker_started:
                 self._worker.start()
                 self._worker_started = True
-            self._queue.put(op)
-        return handle
+            self._lock.notify()
+        return op.handle
 
+    @staticmethod
     def _indices(
-        self, what: str, pair: IndexPair, dev_count: int, host_count: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        what: str, pair: IndexPair, dev_count: int, host_count: int
+    ) -> tuple[IndexArray, IndexArray]:
         if len(pair) != 2:
             raise ValueError(f"{what} must be a pair (device indices, host indices)")
-        d = torch.as_tensor(pair[0], dtype=torch.int64).flatten().cpu()
-        h = torch.as_tensor(pair[1], dtype=torch.int64).flatten().cpu()
-        if d.numel() != h.numel():
-            raise ValueError(f"{what}: {d.numel()} device vs {h.numel()} host indices")
+        d, h = _index_array(pair[0]), _index_array(pair[1])
+        if d.shape[0] != h.shape[0]:
+            raise ValueError(f"{what}: {d.shape[0]} device vs {h.shape[0]} host indices")
         for name, idx, count in (("device", d, dev_count), ("host", h, host_count)):
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= count):
+            if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= count):
                 raise ValueError(f"{what}: {name} index out of range [0, {count}): {idx.tolist()}")
-        return d.to(self._index_device()), h
+        return d, h
 
-    def _plan(self, op: _Op) -> list[tuple[int, list[CopyJob]]]:
-        """Per layer (copy order), the copy jobs of ``op`` in its direction."""
-        dev, host, layout = self.device_pools, self.host_pools, self.device_pools.layout
-        (kd, kh), (md, mh) = op.kv_pages, op.mamba_slots
-        backup = op.handle.kind is TransferKind.BACKUP
-        plan: list[tuple[int, list[CopyJob]]] = []
-        for layer in self.layer_ids:
-            pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            family = layout.spec.layer_family(layer)
-            if family is Family.KV and kd.numel():
-                kv = host.local(RegionName.KV)[:, host.region(RegionName.KV).layer_row(layer)]
-                pairs.append((dev.k(layer), kd, kv[:, 0], kh))
-                pairs.append((dev.v(layer), kd, kv[:, 1], kh))
-                if layer in dev.layers(Family.INDEXER):
-                    row = host.region(RegionName.INDEXER).layer_row(layer)
-                    pairs.append(
-                        (dev.indexer(layer), kd, host.local(RegionName.INDEXER)[:, row], kh)
-                    )
-            if family is Family.MAMBA and md.numel():
-                row = host.region(RegionName.MAMBA_CONV).layer_row(layer)
-                pairs.append((dev.conv(layer), md, host.local(RegionName.MAMBA_CONV)[:, row], mh))
-                pairs.append((dev.ssm(layer), md, host.local(RegionName.MAMBA_SSM)[:, row], mh))
-            jobs = [
-                CopyJob(d, di, h, hi) if backup else CopyJob(h, hi, d, di) for d, di, h, hi in pairs
-            ]
-            plan.append((layer, jobs))
-        return plan
-
-    def _check_fault(self, op: _Op, layer: int) -> None:
+    def _check_fault(self, op: _Op, position: int) -> None:
+        layer = self.layer_ids[position]
         if op.inject and (op.fail_at is None or op.fail_at == layer):
             raise InjectedFailure(f"injected failure before layer {layer} of op {op.handle.op_id}")
 
@@ -343,41 +325,31 @@ class TransferEngine(abc.ABC):
         op.handle._mark_layers(position + 1)
 
     def _loop(self) -> None:
-        while True:
-            op = self._queue.get()
-            if op is None:
-                self._drain_closed()
-                return
+        while (batch := self._take_batch()) is not None:
+            self._run_batch(batch)
+            del batch  # keep nothing of finished operations while idle
+
+    def _take_batch(self) -> list[_Op] | None:
+        """Every queued operation at once (None once closed and drained)."""
+        with self._lock:
+            while not self._pending and not self._closed:
+                self._lock.wait()
+            if not self._pending:
+                return None
+            batch = list(self._pending)
+            self._pending.clear()
+            self.num_batches += 1
+            return batch
+
+    def _run_batch(self, batch: list[_Op]) -> None:
+        for op in batch:
             if self._closed:
                 # close() was called while this op waited: ack it failed, do not copy.
-                self._complete(op, False, "engine closed")
+                op.handle._finish(False, "engine closed")
+                continue
+            try:
+                self._run(op)
+            except Exception as exc:  # an op failure must never kill the worker
+                op.handle._finish(False, f"{type(exc).__name__}: {exc}")
             else:
-                self._execute(op)
-
-    def _drain_closed(self) -> None:
-        while True:
-            try:
-                op = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if op is not None:
-                self._complete(op, False, "engine closed")
-
-    def _execute(self, op: _Op) -> None:
-        try:
-            self._run_layers(op.handle.kind, self._plan(op), op)
-        except Exception as exc:  # an op failure must never kill the worker
-            self._complete(op, False, f"{type(exc).__name__}: {exc}")
-        else:
-            self._complete(op, True, None)
-
-    def _complete(self, op: _Op, ok: bool, error: str | None) -> None:
-        ack = TransferAck(op.handle.op_id, op.handle.kind, ok, error)
-        op.handle._finish(ok, error)
-        if op.on_done is not None:
-            try:
-                op.on_done(ack)
-            except Exception:  # a bad callback must not break the ack stream
-                _log.exception("on_done callback of transfer op %d raised", op.handle.op_id)
-        with self._acks_lock:
-            self._acks.append(ack)
+                op.handle._finish(True, None)

@@ -201,12 +201,12 @@ def test_alloc_waits_for_in_flight_backups_instead_of_failing(make_cache):
     engine = cache.ctl.engine
     assert engine is not None
     gate = threading.Event()
-    run_layers = engine._run_layers
+    run = engine._run
 
-    def gated(kind, plan, op):
-        if kind is TransferKind.BACKUP:
+    def gated(op):
+        if op.handle.kind is TransferKind.BACKUP:
             gate.wait()
-        run_layers(kind, plan, op)
+        run(op)
 
     flush = cache.ctl.flush
 
@@ -214,7 +214,7 @@ def test_alloc_waits_for_in_flight_backups_instead_of_failing(make_cache):
         gate.set()
         flush()
 
-    engine._run_layers = gated  # type: ignore[method-assign]
+    engine._run = gated  # type: ignore[method-assign]
     cache.ctl.flush = open_then_flush  # type: ignore[method-assign]
     serve(cache, A)
     serve(cache, B)

@@ -1,10 +1,15 @@
-"""Transfer engine (CPU): round trips, layer readiness, acks, failure injection, close."""
+"""Transfer engine (CPU): round trips, layer readiness, acks, failure injection, close,
+batching, bulk row addresses against a naive per-row copy."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
+from collections.abc import Sized
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,11 +18,11 @@ from mesh_hicache.pools import DevicePools, HostPools
 from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
 from mesh_hicache.transfer import (
     CpuTransferEngine,
-    TransferAck,
+    TransferHandle,
     TransferKind,
     make_transfer_engine,
 )
-from mesh_hicache.transfer.cpu import index_runs
+from mesh_hicache.transfer.segments import index_runs
 
 LAYERS = (0, 1, 2, 3, 4, 5)
 
@@ -76,13 +81,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_index_runs():
-    assert index_runs([3, 4, 5, 9, 1, 2], [7, 8, 0, 1, 2, 3]) == [
+    def runs(src, dst):
+        r = index_runs(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+        return list(zip(r.src.tolist(), r.dst.tolist(), r.length.tolist(), strict=True))
+
+    assert runs([3, 4, 5, 9, 1, 2], [7, 8, 0, 1, 2, 3]) == [
         (3, 7, 2),
         (5, 0, 1),
         (9, 1, 1),
         (1, 2, 2),
     ]
-    assert index_runs([], []) == []
+    assert runs([], []) == []
+    assert runs([4], [0]) == [(4, 0, 1)]
 
 
 @pytest.mark.parametrize("runs", [False, True])  # True: consecutive stretches, copied as blocks
@@ -98,7 +108,8 @@ def test_round_trip_is_bit_exact_in_random_orders(runs):
             src_pages, host_pages = [5, 6, 7, 8, 0, 1, 2, 10, 11], [3, 4, 5, 6, 0, 1, 9, 12, 13]
         src_slots = torch.randperm(5, generator=gen)[:4].tolist()
         host_slots = torch.randperm(7, generator=gen)[:4].tolist()
-        assert eng.backup((src_pages, host_pages), (src_slots, host_slots)).wait()
+        first = eng.backup((src_pages, host_pages), (src_slots, host_slots))
+        assert first.wait()
         # The host row of a page holds that page of every layer, in layer-row order.
         kv_row = host.row("kv", host_pages[0])
         for i, layer in enumerate(host.region("kv").local_layer_ids):
@@ -122,12 +133,11 @@ def test_round_trip_is_bit_exact_in_random_orders(runs):
                     assert same_bits(t[d], before[(name, layer)][src_pages[i]])
                 untouched = [p for p in range(12) if p not in dst_pages]
             assert t[untouched].view(torch.uint8).eq(0).all()
-        acks = eng.poll()
-        assert [(a.op_id, a.kind, a.ok) for a in acks] == [
-            (0, TransferKind.BACKUP, True),
-            (1, TransferKind.LOAD, True),
+        acks = [first.ack, handle.ack]
+        assert [(a.op_id, a.kind, a.ok, a.error) for a in acks if a is not None] == [
+            (0, TransferKind.BACKUP, True, None),
+            (1, TransferKind.LOAD, True, None),
         ]
-        assert eng.poll() == []
 
 
 def test_load_goes_layer_by_layer():
@@ -171,14 +181,27 @@ def test_load_goes_layer_by_layer():
     eng.close()
 
 
-def test_failure_mid_operation_acks_once_and_engine_recovers():
+@pytest.fixture
+def finished(monkeypatch) -> list[tuple[int, bool, str | None]]:
+    """Every completion of every handle, in completion order: (op id, ok, error)."""
+    log: list[tuple[int, bool, str | None]] = []
+    original = TransferHandle._finish
+
+    def record(self, ok, error):
+        log.append((self.op_id, ok, error))
+        return original(self, ok, error)
+
+    monkeypatch.setattr(TransferHandle, "_finish", record)
+    return log
+
+
+def test_failure_mid_operation_acks_once_and_engine_recovers(finished):
     gen = torch.Generator().manual_seed(2)
     dev, host, eng = make()
     randomize(dev, gen)
-    got: list[TransferAck] = []
     host_pages = host.page_allocator.allocate(2)
     eng.fail_next(at_layer=2)
-    bad = eng.backup(([0, 1], host_pages), ([0], [0]), on_done=got.append)
+    bad = eng.backup(([0, 1], host_pages), ([0], [0]))
     assert not bad.wait() and bad.done and not bad.ok
     assert bad.wait_layer(0) and bad.wait_layer(1)  # copied before the failure
     assert not bad.wait_layer(2) and not bad.wait_layer(5)  # never copied: no hang
@@ -188,17 +211,17 @@ def test_failure_mid_operation_acks_once_and_engine_recovers():
     assert (
         host.local("kv")[host_pages, host.region("kv").layer_row(3)].view(torch.uint8).eq(0).all()
     )
-    good = eng.backup(([0, 1], host_pages), ([0], [0]), on_done=got.append)
+    good = eng.backup(([0, 1], host_pages), ([0], [0]))
     assert good.wait()
-    acks = eng.poll()
-    assert [(a.op_id, a.ok) for a in acks] == [(0, False), (1, True)]
-    assert acks[0].error is not None and "InjectedFailure" in acks[0].error
-    assert got == acks  # callbacks: exactly once each, same records
-    assert eng.poll() == []
+    eng.close()
+    acks = [bad.ack, good.ack]
+    assert [(a.op_id, a.ok) for a in acks if a is not None] == [(0, False), (1, True)]
+    assert bad.ack is not None and "InjectedFailure" in (bad.ack.error or "")
+    # Exactly once each, in completion order, with the same records the handles carry.
+    assert finished == [(a.op_id, a.ok, a.error) for a in acks if a is not None]
     # The engine never frees the caller's reservations.
     assert host.page_allocator.num_used == 2
     assert same_bits(host.row("kv", host_pages[1])[0, 0], dev.k(0)[1])
-    eng.close()
 
 
 def test_fail_at_first_layer_and_bad_input():
@@ -213,10 +236,10 @@ def test_fail_at_first_layer_and_bad_input():
     with pytest.raises(ValueError, match="at_layer"):
         eng.fail_next(at_layer=42)
     eng.close()
-    assert [a.ok for a in eng.poll()] == [False]
+    assert h.ack is not None and not h.ack.ok and "InjectedFailure" in (h.ack.error or "")
 
 
-def test_close_acks_pending_and_rejects_new_ops():
+def test_close_acks_pending_and_rejects_new_ops(finished):
     dev, host, eng = make()
     gate = threading.Event()
     original = eng._layer_ready
@@ -236,9 +259,10 @@ def test_close_acks_pending_and_rejects_new_ops():
     closer.join(timeout=30)
     assert not closer.is_alive()
     assert all(h.done for h in handles)
-    acks = eng.poll()
-    assert [(a.op_id, a.ok) for a in acks] == [(0, True), (1, False), (2, False), (3, False)]
+    acks = [h.ack for h in handles]
+    assert [(a.op_id, a.ok) for a in acks if a] == [(0, True), (1, False), (2, False), (3, False)]
     assert {a.error for a in acks[1:]} == {"engine closed"}
+    assert [(op, ok) for op, ok, _ in finished] == [(0, True), (1, False), (2, False), (3, False)]
     with pytest.raises(RuntimeError, match="closed"):
         eng.backup(([0], [0]))
     eng.close()  # idempotent
@@ -255,4 +279,206 @@ def test_empty_op_and_factory():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda"):
             make_transfer_engine(dev, host, kind="cuda")
+    eng.close()
+
+
+def test_engine_keeps_nothing_of_finished_operations():
+    # Nobody reads completions here (as in the library): nothing may pile up.
+    dev, host, eng = make()
+    refs = []
+    for i in range(300):
+        h = eng.backup(([i % 12], [i % 20]), ([i % 5], [i % 7]))
+        refs.append(weakref.ref(h))
+    assert h.wait()
+    del h
+    deadline = time.monotonic() + 30
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert all(r() is None for r in refs), "the engine still references finished operations"
+    # No container on the engine grew with the operations (an unread ack queue did).
+    sizes = {k: len(v) for k, v in vars(eng).items() if isinstance(v, Sized)}
+    assert all(n < 300 for n in sizes.values()), sizes
+    eng.close()
+
+
+def test_every_operation_acks_exactly_once_under_failures_and_close(finished):
+    gen = torch.Generator().manual_seed(5)
+    dev, host, eng = make()
+    boom = {3, 7, 8}
+    original = eng._run
+
+    def flaky(op):
+        if op.handle.op_id in boom:
+            raise OSError(f"disk on fire in op {op.handle.op_id}")
+        original(op)
+
+    eng._run = flaky  # type: ignore[method-assign]
+    handles = []
+    for i in range(12):
+        if i in (5, 10):
+            eng.fail_next(at_layer=LAYERS[int(torch.randint(0, 6, (1,), generator=gen))])
+        pages = torch.randperm(12, generator=gen)[: 1 + i % 5].tolist()
+        hosts = torch.randperm(20, generator=gen)[: len(pages)].tolist()
+        submit = eng.backup if i % 2 else eng.load
+        handles.append(submit((pages, hosts), ([i % 5], [i % 7])))
+    assert handles[-1].wait(timeout=30)
+    eng.close()
+    ids = [op for op, _, _ in finished]
+    assert ids == list(range(12))  # exactly once each, in submission (= completion) order
+    for h, (op, ok, error) in zip(handles, finished, strict=True):
+        assert (
+            h.done and h.ack is not None and (h.ack.op_id, h.ack.ok, h.ack.error) == (op, ok, error)
+        )
+        assert ok == (op not in boom | {5, 10})
+        if op in boom:
+            assert error == f"OSError: disk on fire in op {op}"
+        if op in (5, 10):
+            assert "InjectedFailure" in (error or "")
+
+
+def naive_apply(dev_t, host_t, kind, pages, slots):
+    """Reference: one row at a time, on plain tensor views (dicts of clones)."""
+    dp, hp = pages
+    ds, hs = slots
+    for (name, layer), t in dev_t.items():
+        idx_d, idx_h = (ds, hs) if name in ("conv", "ssm") else (dp, hp)
+        for d, h in zip(idx_d, idx_h, strict=True):
+            if kind is TransferKind.BACKUP:
+                host_t[(name, layer)][h].copy_(t[d])
+            else:
+                t[d].copy_(host_t[(name, layer)][h])
+
+
+def host_views(host: HostPools) -> dict[tuple[str, int], torch.Tensor]:
+    out = {}
+    kv = host.region("kv")
+    for layer in kv.local_layer_ids:
+        out[("k", layer)] = host.local("kv")[:, kv.layer_row(layer), 0]
+        out[("v", layer)] = host.local("kv")[:, kv.layer_row(layer), 1]
+    for name, region in (("indexer", "indexer"), ("conv", "mamba_conv"), ("ssm", "mamba_ssm")):
+        r = host.region(region)
+        for layer in r.local_layer_ids:
+            out[(name, layer)] = host.local(region)[:, r.layer_row(layer)]
+    return out
+
+
+def one_layer_spec() -> StateSpec:
+    # One layer per region: indexer and Mamba host rows are contiguous across pages, so
+    # consecutive pairs are merged into one copy; kv rows (K and V interleaved) are not.
+    return StateSpec(
+        page_size=2,
+        kv=KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=4, dtype=torch.float16),
+        mamba=MambaSpec(
+            layer_ids=(1,),
+            conv_dim=2,
+            conv_kernel=2,
+            num_heads=1,
+            head_dim=2,
+            state_dim=2,
+            conv_dtype=torch.float16,
+            ssm_dtype=torch.float32,
+        ),
+        indexer=IndexerSpec(layer_ids=(0,), key_dim=3, dtype=torch.float16),
+    )
+
+
+@pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
+def test_batched_random_ops_equal_naive_sequential_copies(make_spec):
+    gen = torch.Generator().manual_seed(7)
+    layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
+    dev = DevicePools(layout, num_pages=16, num_slots=6)
+    host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
+    eng = CpuTransferEngine(dev, host)
+    randomize(dev, gen)
+    for t in host_views(host).values():
+        raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+        raw.copy_(torch.randint(-(2**15), 2**15, raw.shape, generator=gen).to(raw.dtype))
+    ref_dev, ref_host = snapshot(dev), {k: v.clone() for k, v in host_views(host).items()}
+    gate, original = threading.Event(), eng._layer_ready
+
+    def hold_first(op, position):
+        original(op, position)
+        if op.handle.op_id == 0:
+            gate.wait(timeout=30)
+
+    eng._layer_ready = hold_first  # type: ignore[method-assign]
+    ops = []
+    for i in range(40):
+        n = int(torch.randint(0, 10, (1,), generator=gen))
+        if i % 3 == 0:  # runs: consecutive on both sides
+            d0, h0 = (
+                int(torch.randint(0, 16 - n + 1, (1,))),
+                int(torch.randint(0, 24 - n + 1, (1,))),
+            )
+            pages = (list(range(d0, d0 + n)), list(range(h0, h0 + n)))
+        else:  # random, repeats across ops (later ops overwrite earlier ones' rows)
+            pages = (
+                torch.randperm(16, generator=gen)[:n].tolist(),
+                torch.randperm(24, generator=gen)[:n].tolist(),
+            )
+        k = int(torch.randint(0, 4, (1,), generator=gen))
+        slots = (
+            torch.randperm(6, generator=gen)[:k].tolist(),
+            torch.randperm(8, generator=gen)[:k].tolist(),
+        )
+        kind = TransferKind.BACKUP if torch.rand(1, generator=gen) < 0.5 else TransferKind.LOAD
+        ops.append((kind, pages, slots))
+    handles = [
+        (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s) for kind, p, s in ops[:1]
+    ]
+    assert handles[0].wait_layer(eng.layer_ids[0], timeout=30)  # op 0 holds the worker
+    handles += [
+        (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s) for kind, p, s in ops[1:]
+    ]
+    gate.set()
+    assert all(h.wait(timeout=30) for h in handles)
+    assert eng.num_batches == 2  # op 0 alone, then the other 39 in one wake-up
+    eng.close()
+    for kind, pages, slots in ops:
+        naive_apply(ref_dev, ref_host, kind, pages, slots)
+    for key, t in tensors(dev).items():
+        assert same_bits(t, ref_dev[key]), key
+    for key, t in host_views(host).items():
+        assert same_bits(t, ref_host[key]), key
+
+
+@pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
+@pytest.mark.parametrize("backup", [True, False])
+def test_bulk_row_addresses_equal_naive_row_pointers(make_spec, backup):
+    gen = torch.Generator().manual_seed(11)
+    layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
+    dev = DevicePools(layout, num_pages=16, num_slots=6)
+    host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
+    eng = CpuTransferEngine(dev, host)
+    dp = [3, 4, 5, 9] + torch.randperm(16, generator=gen)[:5].tolist()
+    hp = [7, 8, 9, 1] + torch.randperm(24, generator=gen)[:5].tolist()
+    ds, hs = [0, 1, 2, 5], [3, 4, 5, 0]
+    table = eng.segments
+    copies = table.mem_copies(
+        backup,
+        (np.array(dp, dtype=np.int64), np.array(hp, dtype=np.int64)),
+        (np.array(ds, dtype=np.int64), np.array(hs, dtype=np.int64)),
+    )
+    dev_t, host_t = tensors(dev), host_views(host)
+    merged_any = False
+    for seg, job in zip(table.segments, copies, strict=True):
+        layer = eng.layer_ids[seg.layer_pos]
+        d_t, h_t = dev_t[(seg.part, layer)], host_t[(seg.part, layer)]
+        idx_d, idx_h = (dp, hp) if seg.paged else (ds, hs)
+        row = d_t[0].numel() * d_t.element_size()
+        expected = []  # naive: one (dst, src, bytes) per row, from tensor views
+        for d, h in zip(idx_d, idx_h, strict=True):
+            src, dst = (d_t[d], h_t[h]) if backup else (h_t[h], d_t[d])
+            expected.append((dst.data_ptr(), src.data_ptr(), row))
+        assert job is not None
+        dsts, srcs, size = job
+        sizes = [size] * len(dsts) if isinstance(size, int) else size
+        got = []  # expand merged runs back into rows
+        for d, s, z in zip(dsts, srcs, sizes, strict=True):
+            assert z % row == 0
+            merged_any |= z > row
+            got += [(d + i * row, s + i * row, row) for i in range(z // row)]
+        assert got == expected, (seg.part, layer)
+    assert merged_any == (make_spec is one_layer_spec)
     eng.close()

@@ -1,0 +1,203 @@
+"""Where each copy of an operation goes: per-(layer, part) segments and bulk row addresses.
+
+A *segment* is one part of one layer: ``k``, ``v`` or ``indexer`` (indexed by pages), or
+``conv`` or ``ssm`` (indexed by Mamba slots). Each segment is a pair of tensors whose rows
+(dim 0) are contiguous and of equal size: the device pool's ``[N, *row]`` tensor of that
+layer and part, and the matching strided view of the page-first host pool (row ``p`` at
+``host_ptr + p * host_stride``). Pointers, strides and row sizes are read once, when the
+engine is built; the pools never move.
+
+Per operation, row addresses of every segment are computed in bulk with numpy
+(``base + index * stride``, one broadcast per group of segments), never per row in Python.
+Runs of pairs consecutive on both sides are merged into one copy where both sides of the
+segment are contiguous across rows (device pools always are; host regions only when a
+row holds a single layer part, e.g. a one-layer Mamba or indexer region).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mesh_hicache.layout import RegionName
+from mesh_hicache.pools.device import DevicePools
+from mesh_hicache.pools.host import HostPools
+from mesh_hicache.spec import Family
+
+IndexArray = np.ndarray  # 1-D int64
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One (layer, part) of this rank's state, on both sides (see module doc)."""
+
+    layer_pos: int
+    """Position of the layer in the engine's ``layer_ids`` (copy order)."""
+    part: str
+    paged: bool
+    """True: indexed by KV pages; False: by Mamba slots."""
+    device: torch.Tensor
+    host: torch.Tensor
+    device_ptr: int
+    device_stride: int
+    host_ptr: int
+    host_stride: int
+    row_bytes: int
+
+    @property
+    def mergeable(self) -> bool:
+        """Consecutive rows are one contiguous block on both sides."""
+        return self.device_stride == self.row_bytes == self.host_stride
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _segment(pos: int, part: str, paged: bool, dev: torch.Tensor, host: torch.Tensor) -> Segment:
+    assert dev.dtype == host.dtype and dev.shape[1:] == host.shape[1:], part
+    assert _rows_contiguous(dev) and _rows_contiguous(host), f"{part} rows must be contiguous"
+    es = dev.element_size()
+    return Segment(
+        layer_pos=pos,
+        part=part,
+        paged=paged,
+        device=dev,
+        host=host,
+        device_ptr=dev.data_ptr(),
+        device_stride=dev.stride(0) * es,
+        host_ptr=host.data_ptr(),
+        host_stride=host.stride(0) * es,
+        row_bytes=int(np.prod(dev.shape[1:], dtype=np.int64)) * es,
+    )
+
+
+def build_segments(
+    device_pools: DevicePools, host_pools: HostPools, layer_ids: tuple[int, ...]
+) -> tuple[Segment, ...]:
+    """Every segment of ``layer_ids`` in copy order (layer, then k, v, indexer / conv, ssm)."""
+    dev, host, spec = device_pools, host_pools, device_pools.layout.spec
+    indexer_layers = set(dev.layers(Family.INDEXER))
+    out: list[Segment] = []
+    for pos, layer in enumerate(layer_ids):
+        if spec.layer_family(layer) is Family.KV:
+            kv = host.local(RegionName.KV)[:, host.region(RegionName.KV).layer_row(layer)]
+            out.append(_segment(pos, "k", True, dev.k(layer), kv[:, 0]))
+            out.append(_segment(pos, "v", True, dev.v(layer), kv[:, 1]))
+            if layer in indexer_layers:
+                row = host.region(RegionName.INDEXER).layer_row(layer)
+                idx = host.local(RegionName.INDEXER)[:, row]
+                out.append(_segment(pos, "indexer", True, dev.indexer(layer), idx))
+        else:
+            row = host.region(RegionName.MAMBA_CONV).layer_row(layer)
+            conv = host.local(RegionName.MAMBA_CONV)[:, row]
+            out.append(_segment(pos, "conv", False, dev.conv(layer), conv))
+            row = host.region(RegionName.MAMBA_SSM).layer_row(layer)
+            ssm = host.local(RegionName.MAMBA_SSM)[:, row]
+            out.append(_segment(pos, "ssm", False, dev.ssm(layer), ssm))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """Maximal stretches of index pairs consecutive on both sides, in order."""
+
+    src: IndexArray
+    dst: IndexArray
+    length: IndexArray
+
+
+def index_runs(src: IndexArray, dst: IndexArray) -> Runs:
+    """The runs of ``(src[i], dst[i])``: a run continues while both sides step by +1."""
+    assert src.shape == dst.shape and src.ndim == 1
+    n = src.shape[0]
+    if n == 0:
+        return Runs(src[:0], dst[:0], src[:0])
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate((np.zeros(1, dtype=np.int64), breaks))
+    length = np.diff(np.concatenate((starts, np.array([n], dtype=np.int64))))
+    return Runs(src[starts], dst[starts], length)
+
+
+#: Per segment: (destination addresses, source addresses, bytes: one int for all, or a list).
+MemCopies = tuple[list[int], list[int], int | list[int]]
+
+
+class SegmentTable:
+    """The segments of an engine with their pointers as arrays, for bulk address math."""
+
+    def __init__(self, segments: tuple[Segment, ...], num_layers: int) -> None:
+        self.segments = segments
+        self.num_layers = num_layers
+        #: Segment positions per layer position, in copy order.
+        self.by_layer: tuple[tuple[int, ...], ...] = tuple(
+            tuple(i for i, s in enumerate(segments) if s.layer_pos == pos)
+            for pos in range(num_layers)
+        )
+        self._groups: list[tuple[bool, bool, np.ndarray]] = []
+        for paged in (True, False):
+            for merge in (True, False):
+                ids = [
+                    i for i, s in enumerate(segments) if s.paged is paged and s.mergeable is merge
+                ]
+                if ids:
+                    self._groups.append((paged, merge, np.array(ids, dtype=np.int64)))
+
+        def column(name: str) -> np.ndarray:
+            return np.array([getattr(s, name) for s in segments], dtype=np.int64)
+
+        self._dev_ptr, self._dev_stride = column("device_ptr"), column("device_stride")
+        self._host_ptr, self._host_stride = column("host_ptr"), column("host_stride")
+        self._row_bytes = column("row_bytes")
+
+    def mem_copies(
+        self,
+        backup: bool,
+        pages: tuple[IndexArray, IndexArray],
+        slots: tuple[IndexArray, IndexArray],
+    ) -> list[MemCopies | None]:
+        """Per segment, its copies as raw addresses (None: the op has no rows for it).
+
+        ``pages``/``slots`` are ``(device indices, host indices)``; ``backup`` copies device
+        -> host, else host -> device. Pointers are only valid for CPU memory.
+        """
+        out: list[MemCopies | None] = [None] * len(self.segments)
+        for paged, merge, ids in self._groups:
+            dev_idx, host_idx = pages if paged else slots
+            if dev_idx.shape[0] == 0:
+                continue
+            count: np.ndarray | None = None
+            if merge:
+                runs = index_runs(dev_idx, host_idx)
+                dev_idx, host_idx, count = runs.src, runs.dst, runs.length
+            dev = self._dev_ptr[ids, None] + dev_idx[None, :] * self._dev_stride[ids, None]
+            host = self._host_ptr[ids, None] + host_idx[None, :] * self._host_stride[ids, None]
+            src, dst = (dev, host) if backup else (host, dev)
+            src_rows, dst_rows = src.tolist(), dst.tolist()
+            if count is None:
+                for j, seg in enumerate(ids.tolist()):
+                    out[seg] = (dst_rows[j], src_rows[j], int(self._row_bytes[seg]))
+            else:
+                sizes = (self._row_bytes[ids, None] * count[None, :]).tolist()
+                for j, seg in enumerate(ids.tolist()):
+                    out[seg] = (dst_rows[j], src_rows[j], sizes[j])
+        return out
+
+    def host_runs(self, seg: int, host_idx: IndexArray) -> tuple[list[int], list[int], list[int]]:
+        """Runs of consecutive host rows of segment ``seg``: (host address, first position
+        in ``host_idx``, rows). Each run is one 2-D copy with pitch ``host_stride``."""
+        n = host_idx.shape[0]
+        if n == 0:
+            return [], [], []
+        breaks = np.flatnonzero(np.diff(host_idx) != 1) + 1
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), breaks))
+        rows = np.diff(np.concatenate((starts, np.array([n], dtype=np.int64))))
+        addr = self._host_ptr[seg] + host_idx[starts] * self._host_stride[seg]
+        return addr.tolist(), starts.tolist(), rows.tolist()
