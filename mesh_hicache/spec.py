@@ -95,10 +95,17 @@ class MambaSpec:
     """SSM state size N per head channel."""
     conv_dtype: torch.dtype = torch.float32
     ssm_dtype: torch.dtype = torch.float32
+    num_groups: int = 0
+    """B/C groups (Mamba-2 ``n_groups``). 0: B and C per head, channels head-major. Else
+    ``conv_dim == num_heads*head_dim + 2*num_groups*state_dim`` with channels group-major
+    (per group: the x of its heads, then its B, then its C); under tp the groups are
+    sharded when ``num_groups >= tp`` and replicated (one per tp rank) otherwise."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
         _check_layers("MambaSpec", self.layer_ids)
+        if self.num_groups:
+            self._check_groups()
         _check_positive(
             "MambaSpec",
             conv_dim=self.conv_dim,
@@ -109,13 +116,27 @@ class MambaSpec:
         )
         if self.conv_kernel < 2:
             raise ValueError(f"MambaSpec.conv_kernel must be >= 2, got {self.conv_kernel}")
-        if self.conv_dim % self.num_heads:
+        if not self.num_groups and self.conv_dim % self.num_heads:
             raise ValueError(
                 f"MambaSpec.conv_dim ({self.conv_dim}) must be a multiple of "
                 f"num_heads ({self.num_heads}): conv channels are head-major"
             )
         _check_dtype("MambaSpec", "conv_dtype", self.conv_dtype)
         _check_dtype("MambaSpec", "ssm_dtype", self.ssm_dtype)
+
+    def _check_groups(self) -> None:
+        g = self.num_groups
+        if not isinstance(g, int) or g < 0 or self.num_heads % g:
+            raise ValueError(
+                f"MambaSpec.num_groups={g!r} must be a positive divisor of "
+                f"num_heads={self.num_heads} (or 0)"
+            )
+        want = self.num_heads * self.head_dim + 2 * g * self.state_dim
+        if self.conv_dim != want:
+            raise ValueError(
+                f"MambaSpec.conv_dim={self.conv_dim} must be num_heads*head_dim + "
+                f"2*num_groups*state_dim = {want}"
+            )
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -209,4 +230,10 @@ class StateSpec:
         if self.mamba is not None and self.mamba.num_heads % tp:
             raise ValueError(
                 f"StateSpec.mamba.num_heads={self.mamba.num_heads} must be divisible by tp={tp}"
+            )
+        groups = self.mamba.num_groups if self.mamba is not None else 0
+        if groups and groups % tp and tp % groups:
+            raise ValueError(
+                f"StateSpec.mamba.num_groups={groups} can be neither split over tp={tp} "
+                f"nor replicated evenly (one must divide the other)"
             )

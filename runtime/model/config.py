@@ -1,8 +1,14 @@
-"""ModelConfig: the shapes of the tiny hybrid model, its presets and its cached state.
+"""ModelConfig: the shapes of the hybrid model, its presets and its cached state.
 
 The model is a decoder whose layers follow ``layer_pattern``: ``"A"`` is a GQA attention
-layer, ``"S"`` a Mamba-2 style SSM layer; every layer is followed by an MLP. The config
-also says exactly which state the serving cache must keep (:meth:`ModelConfig.state_spec`).
+layer, ``"S"`` a Mamba-2 SSM layer. A layer is one state-carrying mixer block plus the
+stateless feed-forward blocks that follow it in ``block_pattern`` (``"M"`` dense MLP,
+``"E"`` mixture of experts); by default every mixer is followed by one MLP. Feed-forward
+blocks before the first mixer belong to layer 0. Every block is pre-norm residual:
+``h += residual_scale * op(norm(h))``. The config also says exactly which state the
+serving cache must keep (:meth:`ModelConfig.state_spec`). Presets (``tiny``, ``small``)
+have seeded random weights; checkpoints (``runtime.checkpoints``) derive a config from
+their ``config.json``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
 
 ATTENTION = "A"
 SSM = "S"
-MLP_KINDS = ("swiglu", "gelu")
+MLP = "M"
+MOE = "E"
+MLP_KINDS = ("swiglu", "gelu", "relu2")
+ROUTERS = ("softmax", "sigmoid")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -36,7 +45,9 @@ class ModelConfig:
     head_dim: int = 8
     """Channels per attention head (even, for RoPE)."""
     ssm_heads: int = 8
-    """SSM heads (divisible by tp); B and C are per head (n_groups = ssm_heads)."""
+    """SSM heads (divisible by tp)."""
+    ssm_groups: int = 0
+    """B/C groups (Mamba-2 ``n_groups``, divides ssm_heads); 0 means one per head."""
     ssm_head_dim: int = 16
     """Channels per SSM head (``P``); the SSM inner width is ``ssm_heads * ssm_head_dim``."""
     ssm_state_dim: int = 8
@@ -49,11 +60,54 @@ class ModelConfig:
     mlp_hidden: int = 128
     """Hidden width of each MLP (divisible by tp)."""
     mlp_kind: str = "swiglu"
-    """``swiglu`` or ``gelu``."""
+    """``swiglu`` (silu(gate) * up), ``gelu`` or ``relu2`` (squared ReLU); also the experts'."""
+    block_pattern: str = ""
+    """Blocks in order: ``A``/``S`` mixers (exactly ``layer_pattern``'s letters, in order),
+    ``M`` dense MLP, ``E`` MoE. Empty: every mixer followed by one ``M``."""
+    num_experts: int = 0
+    """Routed experts of each ``E`` block."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
+    expert_hidden: int = 0
+    """Hidden width of one expert (divisible by tp: every expert is split like an MLP)."""
+    shared_expert_hidden: int = 0
+    """Hidden width of the always-on shared expert of an ``E`` block; 0: none."""
+    router: str = "softmax"
+    """``softmax``: softmax over the top-k logits (Granite). ``sigmoid``: sigmoid scores,
+    top-k of scores + bias within the best groups, weights = scores (Nemotron-H)."""
+    router_groups: int = 1
+    """Expert groups of the ``sigmoid`` router (``n_group``)."""
+    router_topk_groups: int = 1
+    """Groups a token may choose experts from (``topk_group``)."""
+    router_normalize: bool = True
+    """``sigmoid`` router: divide the chosen weights by their sum."""
+    router_scale: float = 1.0
+    """Multiplies the routed experts' weights."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rotary_dim: int = -1
+    """Leading channels of each attention head that RoPE rotates: -1 all (full RoPE),
+    0 none (no positional encoding), else a partial rotary (even)."""
+    attn_scale: float = 0.0
+    """Attention score scale; 0 means ``head_dim ** -0.5``."""
+    embed_scale: float = 1.0
+    """Multiplies the token embeddings."""
+    residual_scale: float = 1.0
+    """Multiplies every block's output before it is added to the residual stream."""
+    logits_scale: float = 1.0
+    """Logits are divided by it."""
+    tie_embeddings: bool = False
+    """The LM head is the embedding matrix."""
+    conv_bias: bool = True
+    """The causal conv has a bias."""
+    dt_min: float = 0.0
+    """Lower clamp of the SSM step ``dt`` after softplus (Nemotron-H ``time_step_min``)."""
+    dt_max: float = float("inf")
+    """Upper clamp of ``dt``."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon (also of the SSM's gated norm)."""
+    name: str = ""
+    """For checkpoints: a name of the weights (``model_id`` then uses it, not the seed)."""
     seed: int = 0
     """Weights are a pure function of (seed, tensor name): same seed, same model, any mesh."""
     dtype: torch.dtype = torch.float32
@@ -83,6 +137,39 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.conv_kernel must be >= 2, got {self.conv_kernel}")
         if self.mlp_kind not in MLP_KINDS:
             raise ValueError(f"ModelConfig.mlp_kind={self.mlp_kind!r}; valid: {MLP_KINDS}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"ModelConfig.router={self.router!r}; valid: {ROUTERS}")
+        if self.ssm_groups < 0 or (self.ssm_groups and self.ssm_heads % self.ssm_groups):
+            raise ValueError(
+                f"ModelConfig.ssm_groups={self.ssm_groups} must divide ssm_heads={self.ssm_heads}"
+            )
+        if not -1 <= self.rotary_dim <= self.head_dim or (
+            self.rotary_dim > 0 and self.rotary_dim % 2
+        ):
+            raise ValueError(
+                f"ModelConfig.rotary_dim={self.rotary_dim} must be -1, 0 or an even number "
+                f"<= head_dim={self.head_dim}"
+            )
+        blocks = self.blocks
+        if set(blocks) - {ATTENTION, SSM, MLP, MOE}:
+            raise ValueError(f"ModelConfig.block_pattern={blocks!r} may hold only A, S, M, E")
+        if "".join(b for b in blocks if b in (ATTENTION, SSM)) != self.layer_pattern:
+            raise ValueError(
+                f"ModelConfig.block_pattern={blocks!r} must hold the mixers of "
+                f"layer_pattern={self.layer_pattern!r} in order"
+            )
+        if MOE in blocks:
+            k, e = self.experts_per_token, self.num_experts
+            if not 0 < k <= e or self.expert_hidden <= 0:
+                raise ValueError(
+                    f"MoE blocks need 0 < experts_per_token ({k}) <= num_experts ({e}) and "
+                    f"expert_hidden > 0 ({self.expert_hidden})"
+                )
+            if e % self.router_groups or not 0 < self.router_topk_groups <= self.router_groups:
+                raise ValueError(
+                    f"ModelConfig.router_groups={self.router_groups} must divide num_experts "
+                    f"and hold router_topk_groups={self.router_topk_groups}"
+                )
         if self.dtype not in DTYPES.values():
             raise ValueError(f"ModelConfig.dtype={self.dtype}; valid: {list(DTYPES.values())}")
 
@@ -90,7 +177,37 @@ class ModelConfig:
 
     @property
     def num_layers(self) -> int:
+        """Layers of the cache (= mixer blocks)."""
         return len(self.layer_pattern)
+
+    @property
+    def blocks(self) -> str:
+        """The block pattern, with the default (each mixer followed by an MLP) filled in."""
+        return self.block_pattern or "".join(kind + MLP for kind in self.layer_pattern)
+
+    def layer_blocks(self) -> list[list[int]]:
+        """Block indices of each layer: the mixer, the blocks after it and (layer 0) before it."""
+        groups: list[list[int]] = []
+        leading: list[int] = []
+        for b, kind in enumerate(self.blocks):
+            if kind in (ATTENTION, SSM):
+                groups.append(leading + [b] if not groups else [b])
+                leading = []
+            elif groups:
+                groups[-1].append(b)
+            else:
+                leading.append(b)
+        return groups
+
+    @property
+    def num_groups(self) -> int:
+        """B/C groups (``ssm_groups``, or one per head)."""
+        return self.ssm_groups or self.ssm_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates per head (0: no positional encoding)."""
+        return self.head_dim if self.rotary_dim < 0 else self.rotary_dim
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -107,8 +224,9 @@ class ModelConfig:
 
     @property
     def conv_dim(self) -> int:
-        """Conv channels, head-major: head h owns ``[x_h (P), B_h (N), C_h (N)]``."""
-        return self.ssm_heads * (self.ssm_head_dim + 2 * self.ssm_state_dim)
+        """Conv channels, group-major: group g owns ``[x of its heads, B_g (N), C_g (N)]``
+        (head-major ``[x_h, B_h, C_h]`` with one group per head)."""
+        return self.ssm_heads * self.ssm_head_dim + 2 * self.num_groups * self.ssm_state_dim
 
     def check_mesh(self, *, tp: int, cp: int, pp: int, page_size: int, cp_kv: str) -> None:
         """Raise ``ValueError`` unless the model splits over a ``pp x cp x tp`` mesh."""
@@ -116,10 +234,17 @@ class ModelConfig:
             ("num_heads", self.num_heads, tp),
             ("ssm_heads", self.ssm_heads, tp),
             ("mlp_hidden", self.mlp_hidden, tp),
+            ("expert_hidden", self.expert_hidden, tp),
+            ("shared_expert_hidden", self.shared_expert_hidden, tp),
             ("vocab_size", self.vocab_size, tp),
         ):
             if value % total:
                 raise ValueError(f"ModelConfig.{name}={value} must be divisible by tp={total}")
+        groups = self.num_groups
+        if groups % tp and tp % groups:
+            raise ValueError(
+                f"ModelConfig.ssm_groups={groups} and tp={tp}: one must divide the other"
+            )
         kv = self.num_kv_heads
         if kv % tp and tp % kv:
             raise ValueError(
@@ -156,13 +281,17 @@ class ModelConfig:
                 state_dim=self.ssm_state_dim,
                 conv_dtype=self.dtype,
                 ssm_dtype=torch.float32,
+                num_groups=self.ssm_groups,
             )
         return StateSpec(page_size=page_size, kv=kv, mamba=mamba, model_id=self.model_id)
 
     @property
     def model_id(self) -> str:
-        """Names the weights (part of every storage key): shapes, pattern, seed and dtype."""
+        """Names the weights (part of every storage key): shapes, pattern, seed and dtype
+        (for a checkpoint: its ``name`` and the dtype)."""
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.name:
+            return f"{self.name}-{dtype}"
         return (
             f"hybrid-v{self.vocab_size}-d{self.d_model}-{self.layer_pattern}"
             f"-h{self.num_heads}kv{self.num_kv_heads}x{self.head_dim}"

@@ -1,64 +1,101 @@
-"""HybridModel: the tiny hybrid decoder, split over a ``pp x cp x tp`` mesh.
+"""HybridModel: the hybrid decoder, split over a ``pp x cp x tp`` mesh.
 
-Every rank builds the weights of its pp stage from the seed (the full tensors), keeps its
-tp shard (``shard_tp`` of each block) and runs the same code; communication is only
-through the tp / cp / pp groups of the ``MeshTopology``. The paged cache is not the
-model's business: the caller hands in a contiguous :class:`SeqState` and keeps what the
-model appends to it.
+Every rank builds the layers of its pp stage from a :class:`WeightSource` (seeded random
+weights for the presets, a checkpoint's tensors for real models), reading only its tp
+shard, and runs the same code; communication is only through the tp / cp / pp groups of
+the ``MeshTopology``. The paged cache is not the model's business: the caller hands in a
+contiguous :class:`SeqState` and keeps what the model appends to it.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from mesh_hicache.layout import StateLayout, tp_split
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.topology import MeshTopology
-from runtime.model.config import ATTENTION, ModelConfig
-from runtime.model.layers import MLP, Attention, Mamba2, RMSNorm, normal
+from runtime.model.config import ATTENTION, MLP, SSM, ModelConfig
+from runtime.model.ffn import DenseMLP, MoE
+from runtime.model.layers import Attention, Mamba2, RMSNorm
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
 from runtime.model.state import SeqState
+from runtime.model.weights import SeededWeights, WeightSource
 
 
-class Block:
-    """Pre-norm residual block: ``h += mixer(norm1(h)); h += mlp(norm2(h))``."""
+class Layer:
+    """One cache layer: its mixer block and the feed-forward blocks that go with it.
 
-    def __init__(self, config: ModelConfig, layer_id: int, cp_kv: str, page_size: int) -> None:
-        self.norm1 = RMSNorm(config, f"layers.{layer_id}.norm1")
-        self.norm2 = RMSNorm(config, f"layers.{layer_id}.norm2")
+    Every block is pre-norm residual: ``h += residual_scale * op(norm(h))``. ``norm1`` /
+    ``mixer`` are the mixer block's norm and op.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        weights: WeightSource,
+        tp: AxisComm,
+        cp_kv: str,
+        page_size: int,
+    ) -> None:
+        self.layer_id = layer_id
+        self.scale = config.residual_scale
+        self.blocks: list[tuple[RMSNorm, object]] = []
         self.mixer: Attention | Mamba2
-        if config.layer_pattern[layer_id] == ATTENTION:
-            self.mixer = Attention(config, layer_id, cp_kv, page_size)
-        else:
-            self.mixer = Mamba2(config, layer_id)
-        self.mlp = MLP(config, layer_id)
+        for b in config.layer_blocks()[layer_id]:
+            kind, prefix = config.blocks[b], f"blocks.{b}"
+            norm = RMSNorm(weights.get(f"{prefix}.norm").to(config.dtype), config.norm_eps)
+            op: object
+            if kind == ATTENTION:
+                op = self.mixer = Attention(
+                    config, prefix, layer_id, weights, tp, cp_kv=cp_kv, page_size=page_size
+                )
+                self.norm1 = norm
+            elif kind == SSM:
+                op = self.mixer = Mamba2(config, prefix, layer_id, weights, tp)
+                self.norm1 = norm
+            elif kind == MLP:
+                op = DenseMLP(config, prefix, weights, tp)
+            else:
+                op = MoE(config, prefix, weights, tp)
+            self.blocks.append((norm, op))
 
-    def shard_tp(self, rank: int, size: int) -> None:
-        self.mixer.shard_tp(rank, size)
-        self.mlp.shard_tp(rank, size)
+    def to(self, device: torch.device) -> None:
+        for norm, op in self.blocks:
+            norm.weight = norm.weight.to(device)
+            op.to(device)  # type: ignore[attr-defined]
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> None:
-        for part in (self.norm1, self.norm2, self.mixer, self.mlp):
-            part.to(device, dtype)
+    def _add(self, h: Tensor, out: Tensor) -> Tensor:
+        return h + out * self.scale if self.scale != 1.0 else h + out
 
     def prefill(
         self, h: Tensor, bounds: list[tuple[int, int]], state: SeqState, comms: MeshComms
     ) -> Tensor:
-        x = self.norm1(h)
-        if isinstance(self.mixer, Attention):
-            h = h + self.mixer.prefill(x, bounds, state, comms.cp, comms.tp)
-        else:
-            h = h + self.mixer.forward(x, bounds, state, comms.cp, comms.tp)
-        return h + self.mlp(self.norm2(h), comms.tp)
+        for norm, op in self.blocks:
+            x = norm(h)
+            if isinstance(op, Attention):
+                h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp))
+            elif isinstance(op, Mamba2):
+                h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp))
+            else:
+                h = self._add(h, op(x, comms.tp))  # type: ignore[operator]
+        return h
 
     def decode(self, h: Tensor, state: SeqState, comms: MeshComms) -> Tensor:
-        x = self.norm1(h)
-        if isinstance(self.mixer, Attention):
-            h = h + self.mixer.decode(x, state, comms.cp, comms.tp)
-        else:
-            # Every cp rank runs the same token: the SSM needs no cp exchange.
-            h = h + self.mixer.forward(x, [(0, 1)], state, AxisComm.solo(), comms.tp)
-        return h + self.mlp(self.norm2(h), comms.tp)
+        for norm, op in self.blocks:
+            x = norm(h)
+            if isinstance(op, Attention):
+                h = self._add(h, op.decode(x, state, comms.cp, comms.tp))
+            elif isinstance(op, Mamba2):
+                # Every cp rank runs the same token: the SSM needs no cp exchange.
+                h = self._add(h, op.forward(x, [(0, 1)], state, AxisComm.solo(), comms.tp))
+            else:
+                h = self._add(h, op(x, comms.tp))  # type: ignore[operator]
+        return h
 
 
 class HybridModel:
@@ -80,6 +117,7 @@ class HybridModel:
         *,
         cp_kv: str = "replicate",
         page_size: int = 16,
+        weights: WeightSource | None = None,
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -98,24 +136,29 @@ class HybridModel:
         self.local_layers: tuple[int, ...] = tuple(
             stage_layer_range(config.num_layers, pp.size, pp.rank)
         )
-        dtype, c = config.dtype, config
-        self.blocks = [Block(config, i, cp_kv, page_size) for i in self.local_layers]
+        c, dtype = config, config.dtype
+        weights = weights if weights is not None else SeededWeights(config)
+        # Which heads / groups / channels this rank keeps: the cache's layout says.
+        with warnings.catch_warnings():  # the cache warns about its own knobs
+            warnings.simplefilter("ignore")
+            self.layout = StateLayout.for_coords(
+                self.state_spec, (pp.size, cp.size, tp.size), (pp.rank, cp.rank, tp.rank), cp_kv
+            )
+        self.blocks = [Layer(c, i, weights, tp, cp_kv, page_size) for i in self.local_layers]
         for block in self.blocks:
-            block.shard_tp(tp.rank, tp.size)
-            block.to(self.device, dtype)
+            block.to(self.device)
         self.embed: Tensor | None = None
         if self.is_first_stage:
-            self.embed = normal(c.seed, "embed", (c.vocab_size, c.d_model), 1.0)
-            self.embed = self.embed.to(device=self.device, dtype=dtype)
+            self.embed = weights.get("embed").to(device=self.device, dtype=dtype)
         self.final_norm: RMSNorm | None = None
         self.lm_head: Tensor | None = None
         if self.is_last_stage:
-            self.final_norm = RMSNorm(config, "final_norm")
-            self.final_norm.to(self.device, dtype)
-            head = normal(c.seed, "lm_head", (c.d_model, c.vocab_size), c.d_model**-0.5)
-            cols = c.vocab_size // tp.size  # split by vocab: gathering is exact
-            head = head[:, tp.rank * cols : (tp.rank + 1) * cols]
-            self.lm_head = head.contiguous().to(device=self.device, dtype=dtype)
+            norm = weights.get("final_norm").to(device=self.device, dtype=dtype)
+            self.final_norm = RMSNorm(norm, c.norm_eps)
+            # Split by vocab: gathering the logits is exact.
+            rows = tp_split(c.vocab_size, tp.size, tp.rank)
+            head = weights.get("lm_head", rows=(rows,))
+            self.lm_head = head.to(device=self.device, dtype=dtype)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -126,21 +169,20 @@ class HybridModel:
 
     def new_state(self) -> SeqState:
         """An empty state (no tokens) for this rank's layers and shards."""
-        c, state = self.config, SeqState()
-        tp = self.comms.tp.size
-        kv_heads = max(c.num_kv_heads // tp, 1)
+        c, state, layout = self.config, SeqState(), self.layout
+        kv_heads = layout.local_kv_heads if c.attention_layers else 0
         for block in self.blocks:
             mixer = block.mixer
             if isinstance(mixer, Attention):
                 empty = torch.zeros(0, kv_heads, c.head_dim, dtype=c.dtype, device=self.device)
                 state.k[mixer.layer_id], state.v[mixer.layer_id] = empty, empty.clone()
             else:
-                channels = c.conv_dim // tp
+                channels = layout.local_conv_dim
                 state.conv[mixer.layer_id] = torch.zeros(
                     channels, c.conv_kernel - 1, dtype=c.dtype, device=self.device
                 )
                 state.ssm[mixer.layer_id] = torch.zeros(
-                    c.ssm_heads // tp, c.ssm_head_dim, c.ssm_state_dim, device=self.device
+                    layout.local_ssm_heads, c.ssm_head_dim, c.ssm_state_dim, device=self.device
                 )
         return state
 
@@ -211,7 +253,8 @@ class HybridModel:
         # Stage 0 embeds; later stages receive the previous stage's activations. Both
         # sides know the chunk length, so an empty chunk is skipped on both.
         if self.embed is not None:
-            return self.embed[tokens]
+            h = self.embed[tokens]
+            return h * self.config.embed_scale if self.config.embed_scale != 1.0 else h
         pp = self.comms.pp
         h = torch.empty(
             tokens.shape[0], self.config.d_model, dtype=self.config.dtype, device=self.device
@@ -232,6 +275,8 @@ class HybridModel:
     def _logits(self, h: Tensor) -> Tensor:
         # [T, D] -> float32 [T, vocab]: each tp rank owns a vocab slice; gather them.
         assert self.final_norm is not None and self.lm_head is not None
-        local = (self.final_norm(h) @ self.lm_head).float()
+        local = F.linear(self.final_norm(h), self.lm_head).float()
+        if self.config.logits_scale != 1.0:
+            local = local / self.config.logits_scale
         gathered = self.comms.tp.all_gather(local)  # [tp, T, V/tp]
         return gathered.permute(1, 0, 2).reshape(h.shape[0], -1).contiguous()

@@ -1,8 +1,10 @@
 """How the model is cut over a ``pp x cp x tp`` mesh, and the collectives it uses.
 
 Pure split functions (shared with the engine): :func:`stage_layer_range` (pp),
-:func:`cp_chunk_bounds` (prefill tokens over cp), :func:`kv_shard_owner` /
-:func:`kv_shard_positions` (which cp rank keeps which token under ``cp_kv="shard"``).
+:func:`cp_chunk_bounds` (prefill tokens over cp). Which heads, groups and tokens a rank
+keeps is ``mesh_hicache.layout``'s math (``tp_split``, ``kv_head_range``,
+``ssm_group_range``, ``kv_shard_owner`` / ``kv_shard_positions``), re-exported here, so
+the cache, the model and the engine share one source.
 
 :class:`AxisComm` wraps one mesh axis's process group. A group of one rank needs no
 communication, so its collectives return their input: the model code calls them
@@ -15,8 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mesh_hicache.layout import stage_layers
+from mesh_hicache.layout import kv_shard_owner, kv_shard_positions, stage_layers
 from mesh_hicache.topology import MeshTopology
+
+__all__ = [
+    "AxisComm",
+    "MeshComms",
+    "cp_chunk_bounds",
+    "kv_shard_owner",
+    "kv_shard_positions",
+    "stage_layer_range",
+]
 
 
 def stage_layer_range(num_layers: int, pp: int, stage: int) -> range:
@@ -42,24 +53,6 @@ def cp_chunk_bounds(num_tokens: int, cp: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
-
-
-def kv_shard_owner(positions: torch.Tensor, page_size: int, cp: int) -> torch.Tensor:
-    """The cp rank that keeps each position under ``cp_kv="shard"``.
-
-    Rank c keeps the tokens whose position-in-page lies in ``[c*ps/cp, (c+1)*ps/cp)``.
-    """
-    assert page_size % cp == 0
-    return (positions % page_size) // (page_size // cp)
-
-
-def kv_shard_positions(num_tokens: int, page_size: int, cp: int, cp_rank: int) -> torch.Tensor:
-    """Positions in ``[0, num_tokens)`` kept by ``cp_rank`` under ``cp_kv="shard"``, ascending.
-
-    ``SeqState.k/v`` of that rank hold exactly these tokens, in this order. int64, CPU.
-    """
-    positions = torch.arange(num_tokens)
-    return positions[kv_shard_owner(positions, page_size, cp) == cp_rank]
 
 
 class AxisComm:

@@ -117,7 +117,7 @@ def test_conv_state_holds_the_last_inputs(model: HybridModel) -> None:
     block = model.blocks[0]
     assert model.embed is not None
     h = model.embed[tokens]
-    xbc = block.norm1(h) @ block.mixer.w_xbc  # type: ignore[union-attr]
+    xbc = torch.nn.functional.linear(block.norm1(h), block.mixer.w_xbc)
     torch.testing.assert_close(state.conv[0], xbc[-3:].T, atol=ATOL, rtol=RTOL)
 
 

@@ -1,0 +1,14 @@
+"""Hugging Face hybrid checkpoints: one adapter per architecture and a loader.
+
+Supported: ``GraniteMoeHybridForCausalLM`` (dense and MoE), ``BambaForCausalLM``,
+``NemotronHForCausalLM``. Needs ``safetensors`` (``pip install -e '.[hf]'``)::
+
+    ckpt = load_checkpoint("/models/granite-4.0-h-tiny")
+    model = HybridModel(ckpt.config, topology, weights=ckpt.weights)
+"""
+
+from __future__ import annotations
+
+from runtime.checkpoints.loader import SUPPORTED, Checkpoint, load_checkpoint
+
+__all__ = ["SUPPORTED", "Checkpoint", "load_checkpoint"]

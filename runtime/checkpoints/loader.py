@@ -1,0 +1,78 @@
+"""Load a Hugging Face checkpoint directory: pick the adapter, derive the config.
+
+``load_checkpoint(path)`` reads ``config.json``, finds the adapter of its architecture
+(a clear ``ValueError`` lists the supported ones otherwise), derives the
+:class:`~runtime.model.ModelConfig` and returns a :class:`Checkpoint` whose ``weights``
+the model reads slice by slice (``HybridModel(config, topo, weights=ckpt.weights)``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.checkpoints import bamba, granitemoehybrid, nemotron_h
+from runtime.checkpoints.base import (
+    Adapter,
+    CheckpointWeights,
+    SafetensorsFiles,
+    file_digest,
+    parse_dtype,
+)
+from runtime.model.config import ModelConfig
+
+ADAPTERS: dict[str, Adapter] = {
+    a.architecture: a for a in (granitemoehybrid.ADAPTER, bamba.ADAPTER, nemotron_h.ADAPTER)
+}
+SUPPORTED = tuple(sorted(ADAPTERS))
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A checkpoint ready to serve: its model config, its weights, its tokenizer file."""
+
+    path: Path
+    architecture: str
+    config: ModelConfig
+    weights: CheckpointWeights
+    tokenizer_path: Path | None
+    """``tokenizer.json`` when the directory has one."""
+    eos_token_id: int | None
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Checkpoint:
+    """Open the checkpoint in directory ``path`` (``config.json`` + ``*.safetensors``).
+
+    ``dtype``: float32 or bfloat16 for weights and activations (default: the
+    checkpoint's; float16 checkpoints run in float32). Reads no tensor data yet.
+    """
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"--model {str(path)!r}: no config.json (a preset name or a checkpoint dir)"
+        )
+    hf = json.loads(config_file.read_text())
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in ADAPTERS:
+        raise ValueError(
+            f"architecture {arch!r} of {directory} is not supported; supported: {SUPPORTED}"
+        )
+    adapter = ADAPTERS[arch]
+    name = f"{hf.get('model_type', arch)}-{file_digest(directory)}"
+    config = adapter.model_config(hf, dtype or parse_dtype(hf), name)
+    weights = CheckpointWeights(SafetensorsFiles(directory), adapter, config, hf)
+    tokenizer = directory / "tokenizer.json"
+    eos = hf.get("eos_token_id")
+    return Checkpoint(
+        path=directory,
+        architecture=arch,
+        config=config,
+        weights=weights,
+        tokenizer_path=tokenizer if tokenizer.is_file() else None,
+        eos_token_id=eos if isinstance(eos, int) else None,
+    )
