@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from mesh_hicache.spec import Family, StateSpec
+from mesh_hicache.spec import Family, MambaSpec, StateSpec
 from mesh_hicache.topology import MeshTopology, all_coordinates
 
 CP_KV_MODES: tuple[str, ...] = ("replicate", "shard")
@@ -256,7 +256,7 @@ class StateLayout:
     @property
     def local_conv_dim(self) -> int:
         assert self.spec.mamba is not None
-        return self.spec.mamba.conv_dim // self.shape[2]
+        return mamba_local_conv_dim(self.spec.mamba, self.shape[2])
 
     @property
     def regions(self) -> tuple[RegionLayout, ...]:
@@ -359,7 +359,8 @@ class StateLayout:
                     dtype=m.conv_dtype,
                     placements=(Shard(1), Replicate(), Shard(2)),
                     local_shape=(rows, self.local_conv_dim, k),
-                    global_shape=(rows * pp, m.conv_dim, k),
+                    # Groups replicated over tp are duplicated in the global view.
+                    global_shape=(rows * pp, self.local_conv_dim * tp, k),
                     global_slice=sl,
                     is_writer=writer,
                     local_layer_ids=ids,
@@ -401,3 +402,52 @@ def all_layouts(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return [StateLayout.for_coords(spec, shape, c, cp_kv) for c in all_coordinates(shape)]
+
+# -- tp / cp shard math shared by the cache, the model and the engine ------------------------
+
+
+def tp_split(total: int, tp: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous ``[start, stop)`` of ``total`` items split evenly over tp."""
+    if total % tp:
+        raise ValueError(f"{total} items cannot be split evenly over tp={tp}")
+    n = total // tp
+    return (rank * n, (rank + 1) * n)
+
+
+def kv_head_range(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """KV heads a tp rank holds: its share, or (kv_heads < tp) the one its query heads read."""
+    if num_kv_heads >= tp:
+        return tp_split(num_kv_heads, tp, rank)
+    q0 = tp_split(num_heads, tp, rank)[0]
+    k0 = q0 // (num_heads // num_kv_heads)
+    return (k0, k0 + 1)
+
+
+def ssm_group_range(num_groups: int, tp: int, rank: int) -> tuple[int, int]:
+    """B/C groups a tp rank holds: its share (groups >= tp) or the one group of its heads."""
+    if num_groups >= tp:
+        return tp_split(num_groups, tp, rank)
+    g = rank // (tp // num_groups)
+    return (g, g + 1)
+
+
+def mamba_local_conv_dim(mamba: MambaSpec, tp: int) -> int:
+    """Conv channels on one tp rank (a replicated group's B and C count on every rank)."""
+    if mamba.num_groups and mamba.num_groups < tp:
+        return mamba.num_heads // tp * mamba.head_dim + 2 * mamba.state_dim
+    return mamba.conv_dim // tp
+
+
+def kv_shard_owner(positions: torch.Tensor, page_size: int, cp: int) -> torch.Tensor:
+    """The cp rank that keeps each position under ``cp_kv="shard"``.
+
+    Rank c keeps the tokens whose position-in-page lies in ``[c*ps/cp, (c+1)*ps/cp)``.
+    """
+    assert page_size % cp == 0
+    return (positions % page_size) // (page_size // cp)
+
+
+def kv_shard_positions(num_tokens: int, page_size: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Positions in ``[0, num_tokens)`` kept by ``cp_rank`` under ``cp_kv="shard"``, ascending."""
+    positions = torch.arange(num_tokens)
+    return positions[kv_shard_owner(positions, page_size, cp) == cp_rank]
