@@ -27,15 +27,11 @@ each file a 64-byte header (``keys.py``) followed by the payload.
 from __future__ import annotations
 
 import errno
-import hashlib
-import itertools
 import logging
 import os
-import socket
 import stat
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -43,9 +39,9 @@ from typing import BinaryIO
 import torch
 
 from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
+from mesh_hicache.storage.file_tree import scan_tree, temp_names
 from mesh_hicache.storage.keys import (
     HEADER_SIZE,
-    KEY_PATTERN,
     ObjectError,
     StorageKey,
     check_key_str,
@@ -62,7 +58,6 @@ from mesh_hicache.storage.safe_dir import (
 
 logger = logging.getLogger(__name__)
 
-_TMP_PREFIX = ".tmp-"
 _DROP_ERRNOS = {
     errno.ENOSPC: "store full",
     errno.EDQUOT: "quota exceeded",
@@ -80,21 +75,6 @@ def _clock_ns() -> int:
 def _write_payload(f: BinaryIO, payload: memoryview) -> None:
     """Write all of ``payload``; module-level so tests can interrupt a write midway."""
     f.write(payload)
-
-
-def _host_tag() -> str:
-    """8 hex chars naming this host in temp file names (pids are per host)."""
-    return hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _split(key_str: str) -> tuple[tuple[str, ...], str]:
@@ -151,10 +131,7 @@ class FileStorage(StorageBackend):
         self._retired_fds: list[int] = []  # old root fds: other threads may still use them
         self._root_fd = -1
         self._open_root()
-        host, pid = _host_tag(), os.getpid()
-        self._tmp_names = (
-            f"{_TMP_PREFIX}{host}-{pid}-{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count()
-        )
+        self._tmp_names = temp_names()
         if max_bytes is not None:
             self._enforce_cap(force=True)
         else:
@@ -205,12 +182,14 @@ class FileStorage(StorageBackend):
             for key, data in zip(keys, src, strict=True):
                 try:
                     flags.append(self._put_one(dirs, key, data))
-                except FileNotFoundError:
-                    if not self._reopen_root_if_gone():
-                        raise
-                    dirs.close()  # the root was removed: start over from a new one
-                    dirs = self._dirs()
-                    flags.append(self._put_one(dirs, key, data))
+                except FileNotFoundError as err:
+                    dirs.close()  # a directory on the way was removed: start over
+                    dirs = self._dirs()  # (this reopens the root if it was removed)
+                    try:
+                        flags.append(self._put_one(dirs, key, data))
+                    except FileNotFoundError:
+                        self._drop("directory removed meanwhile", str(err))
+                        flags.append(False)
         finally:
             dirs.close()
         return flags
@@ -465,44 +444,10 @@ class FileStorage(StorageBackend):
 
     def _scan(self) -> tuple[list[tuple[int, str, int]], int]:
         """All objects as ``(atime_ns, relative path, size)`` and their total size; removes
-        stale temp files. Walks by descriptor, never following symlinks."""
-        objects: list[tuple[int, str, int]] = []
-        total = 0
-        now = time.time_ns()
+        stale temp files (``file_tree.scan_tree``)."""
         with self._lock:
             root_fd = self._root_fd
-        for dirpath, _dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=root_fd):
-            for name in filenames:
-                try:
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                except OSError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue  # never count, evict or remove what is not a plain file
-                if name.startswith(_TMP_PREFIX):
-                    if self._is_stale_tmp(name, st.st_mtime_ns, now):
-                        try:
-                            os.unlink(name, dir_fd=dir_fd)
-                        except OSError:
-                            pass  # gone already, or a read-only store
-                    continue
-                rel = os.path.normpath(os.path.join(dirpath, name))
-                if not KEY_PATTERN.fullmatch(rel):
-                    continue  # not ours: never count or evict foreign files
-                objects.append((st.st_atime_ns, rel, st.st_size))
-                total += st.st_size
-        return objects, total
-
-    def _is_stale_tmp(self, name: str, mtime_ns: int, now_ns: int) -> bool:
-        """A temp file is abandoned when older than the bound or its writer (on this host,
-        by pid) is gone. Temps of this process may belong to a write in flight."""
-        if now_ns - mtime_ns > self._stale_tmp_ns:
-            return True
-        fields = name[len(_TMP_PREFIX) :].split("-")
-        if len(fields) != 4 or fields[0] != _host_tag() or not fields[1].isdigit():
-            return False
-        pid = int(fields[1])
-        return pid != os.getpid() and not _pid_alive(pid)
+        return scan_tree(root_fd, self._stale_tmp_ns)
 
 
 def _read_into(f: BinaryIO, view: memoryview) -> int:

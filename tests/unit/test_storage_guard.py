@@ -194,3 +194,86 @@ def test_factory():
 def test_make_file_storage(tmp_path):
     store = make_storage("file", root=tmp_path / "l3", max_bytes=1024)
     assert isinstance(store, FileStorage) and store.root == (tmp_path / "l3").resolve()
+
+
+class Broken(StorageBackend):
+    """A backend whose calls raise ``error`` (any exception type: a confused backend)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def exists(self, keys):
+        raise self.error
+
+    def get(self, keys, dst):
+        raise self.error
+
+    def put(self, keys, src):
+        raise self.error
+
+
+class Garbage(Flaky):
+    """Answers with the wrong number of flags."""
+
+    def get(self, keys, dst):
+        return [True]
+
+    def put(self, keys, src):
+        return None  # type: ignore[return-value]
+
+
+ANY_ERRORS = [
+    ValueError("path check failed"),
+    TypeError("bad type inside the backend"),
+    KeyError("k"),
+    AssertionError("invariant"),
+    RuntimeError("closed"),
+    ZeroDivisionError("division by zero"),
+    OSError(5, "I/O error"),
+    MemoryError(),
+    UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte"),
+]
+
+
+@pytest.mark.parametrize("error", ANY_ERRORS, ids=lambda e: type(e).__name__)
+def test_any_backend_exception_is_a_counted_miss(error, caplog):
+    clock = Clock()
+    guard = GuardedStorage(Broken(error), retry_interval_s=1.0, clock=clock)
+    x = torch.ones(4)
+    with caplog.at_level(logging.WARNING, logger="mesh_hicache"):
+        assert guard.put([key(0), key(1)], [x, x]) == [False, False]
+        for _ in range(3):
+            clock.t += 2.0  # each call is a real retry that fails again
+            assert guard.get([key(0)], [x]) == [False]
+            clock.t += 2.0
+            assert guard.exists([key(0)]) == 0
+            clock.t += 2.0
+            assert guard.put_one(key(0), x) is False
+    kind = type(error).__name__
+    st = guard.stats
+    assert st.errors == 10 and st.errors_by_kind == {kind: 10} and st.write_errors == 4
+    assert len(warnings_in(caplog)) == 1 and kind in warnings_in(caplog)[0]
+    assert "write" in warnings_in(caplog)[0]  # the first failure was a write: backups lost
+
+
+def test_wrong_answers_are_misses():
+    inner = Garbage()
+    inner.down = False
+    guard = GuardedStorage(inner)
+    x = torch.ones(4)
+    assert guard.get([key(0), key(1)], [x, x]) == [False, False]
+    assert guard.stats.errors == 1 and guard.degraded
+
+
+def test_caller_bugs_are_raised_before_the_backend_is_called():
+    inner = Flaky()
+    inner.down = False
+    guard = GuardedStorage(inner)
+    with pytest.raises(TypeError):
+        guard.get(["v1/not-a-key"], [torch.ones(4)])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        guard.put([key(0)], [torch.ones(4, 4).t()])
+    with pytest.raises(TypeError):
+        guard.exists([b"x"])  # type: ignore[list-item]
+    assert inner.calls == 0 and not guard.degraded and guard.stats.errors == 0
