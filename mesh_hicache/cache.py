@@ -125,7 +125,7 @@ class HiCache:
         """
         ctl = self.ctl
         ctl.step()
-        key = RadixKey(tuple(int(t) for t in tokens), namespace)
+        key = RadixKey(tokens, namespace)  # validated once, in bulk (radix/hashing.py)
         m = self.tree.match_prefix(key)
         if self.config.write_policy == "write_through_selective" and ctl.host is not None:
             ctl.backup_nodes([n for n in m.nodes if n.hit_count >= 2])
@@ -245,7 +245,7 @@ class HiCache:
             )
         if len(pages) != len(tokens) // ps:
             raise ValueError(f"{len(pages)} pages given for {len(tokens) // ps} whole pages")
-        key = RadixKey(tuple(int(t) for t in tokens), req.key.namespace)
+        key = RadixKey(tokens, req.key.namespace)
         result = self.tree.insert(key, device_indices=list(pages), mamba_device_slot=mamba_slot)
         # Pages the tree took now belong to it; owned pages it did not take duplicate
         # pages it already had, so they go back to the allocator.

@@ -2,11 +2,16 @@
 
 A policy ranks eviction candidates; the tree decides which nodes are candidates (unlocked,
 unprotected, no dependent children on that tier) and what evicting one means. The tree
-keeps one heap per target and asks the policy for a node's priority whenever the node's
-state changes (access, tier change, lock change), so a priority must be a function of the
-``NodeStats`` it is given only, never of the current clock or of other nodes: otherwise
-the heap order goes stale. "Age" is therefore expressed as ``last_access`` (a logical
-clock value; smaller is older).
+keeps one indexed heap per target (``queues.EvictionQueues``) keyed by the priority the
+policy gives a node's ``NodeStats``, so a priority must be a function of those stats
+only, never of the current clock or of other nodes. "Age" is therefore expressed as
+``last_access`` (a logical clock value; smaller is older).
+
+Touches are cheap: a match or insert only stores the node's new ``last_access`` and
+``hit_count``. A policy whose priority never decreases when those grow (``monotone``,
+the default; true of LRU and LFU) lets the tree re-rank a touched node lazily, when it
+reaches the top of a queue. A policy that sets ``monotone = False`` is re-ranked on every
+touch instead (correct, but a touch then costs O(log candidates) per node).
 
 Determinism: every rank of the mesh runs the same tree operations and must evict the
 same nodes, so priorities must be deterministic (no wall-clock time, no ``hash()``).
@@ -44,6 +49,9 @@ class NodeStats(NamedTuple):
 
 class EvictionPolicy(abc.ABC):
     """Ranks eviction candidates: the smallest priority is evicted first."""
+
+    monotone: bool = True
+    """Whether ``priority`` never decreases as ``last_access`` and ``hit_count`` grow."""
 
     @abc.abstractmethod
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:

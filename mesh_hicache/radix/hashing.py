@@ -1,30 +1,43 @@
-"""Radix keys and chained page hashes (DESIGN.md section 5).
+"""Radix keys, packed tokens and chained page hashes (DESIGN.md section 5).
 
-A ``RadixKey`` is a sequence of token ids plus a namespace (tenant salt, LoRA id, ...).
+Token ids are validated once, in bulk, when a ``RadixKey`` is built from a caller's
+sequence: ints (not bool, not float) in ``[0, 2**63)``. The key stores them packed as
+little-endian int64 bytes (8 bytes per token); every slice, page-aligned prefix and tree
+node is cut from those bytes without looking at a token again.
+
+A ``RadixKey`` is the packed tokens plus a namespace (tenant salt, LoRA id, ...).
 Requests in different namespaces never share a tree node, and their page hashes differ.
 
 Page hashes are chained: the hash of page ``i`` covers the hash of page ``i - 1``, the
 namespace and the page's tokens, so equal hashes mean equal whole prefixes. They are
-SHA-256 digests (32 bytes) of a fixed byte encoding, identical across processes, runs
-and machines (never Python's ``hash()``, which is salted per process).
+SHA-256 digests (32 bytes) of ``TAG + parent hash + namespace + packed page``, identical
+across processes, runs and machines (never Python's ``hash()``, which is salted per
+process). They are computed from the packed bytes, and only when needed (L3).
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
 
 #: Bytes of one page hash.
 HASH_BYTES = 32
+#: Bytes of one packed token id.
+TOKEN_BYTES = 8
+#: Token ids are ints in ``[0, TOKEN_LIMIT)``.
+TOKEN_LIMIT = 2**63
 
 # Version tag of the encoding: changing the byte layout below must change it, so that
 # hashes of two encodings never collide in a shared L3 store.
 _TAG = b"mesh_hicache.page.v1"
 _NO_PARENT = bytes(HASH_BYTES)
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _namespace_bytes(namespace: str) -> bytes:
@@ -33,77 +46,173 @@ def _namespace_bytes(namespace: str) -> bytes:
     return struct.pack("<I", len(raw)) + raw
 
 
+def _bad_token(tokens: Sequence[object], start: int = 0) -> Exception:
+    """The error naming the first invalid token of ``tokens[start:]`` (the slow path)."""
+    for i in range(start, len(tokens)):
+        t = tokens[i]
+        if isinstance(t, bool | np.bool_) or not hasattr(type(t), "__index__"):
+            return TypeError(f"token ids must be ints, got {t!r} at position {i}")
+        value = operator.index(t)  # type: ignore[arg-type]
+        if not 0 <= value < TOKEN_LIMIT:
+            return ValueError(f"token ids must be ints in [0, 2**63), got {t!r} at position {i}")
+    return TypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
+
+
+def pack_tokens(tokens: Iterable[int]) -> bytes:
+    """Validate ``tokens`` in bulk and pack them as little-endian int64 bytes.
+
+    Accepts any iterable of ints (lists, tuples, ranges, numpy/torch 1-D integer arrays).
+    ``TypeError`` for a non-int (bool and float included), ``ValueError`` for an int
+    outside ``[0, 2**63)``; both name the value and its position.
+    """
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    if not isinstance(tokens, list | tuple | range):
+        tolist = getattr(tokens, "tolist", None)  # numpy / torch: Python ints, one C call
+        tokens = tolist() if tolist is not None else list(tokens)
+    seq: Sequence[object] = tokens  # type: ignore[assignment]
+    try:
+        packed = array("Q", seq)  # type: ignore[type-var]  # C loop: non-ints, < 0, >= 2**64
+    except (TypeError, OverflowError):
+        raise _bad_token(seq) from None
+    if not packed:
+        return b""
+    values = np.frombuffer(packed, dtype=np.int64)  # ids >= 2**63 read negative
+    if values.min() <= 1:
+        # Only 0 and 1 can be bools, and negatives are the ids >= 2**63: check those alone.
+        for i in np.flatnonzero(values <= 1).tolist():
+            if values[i] < 0 or isinstance(seq[i], bool | np.bool_):
+                raise _bad_token(seq, i) from None
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    """The token ids packed in ``data`` (inverse of ``pack_tokens``)."""
+    values = array("q")
+    values.frombytes(data)
+    if _BIG_ENDIAN:
+        values.byteswap()
+    return tuple(values)
+
+
+def packed_page_hashes(
+    data: bytes,
+    page_size: int,
+    namespace: str = "",
+    parent: bytes | None = None,
+    start_page: int = 0,
+) -> list[bytes]:
+    """Chained hashes of the whole pages of packed tokens ``data[start_page * page:]``.
+
+    ``parent``: the hash of the page just before ``start_page`` (None at the start of a
+    sequence). A trailing partial page is ignored. Trusted input (already validated).
+    """
+    ns = _namespace_bytes(namespace)
+    prev = _NO_PARENT if parent is None else parent
+    step = page_size * TOKEN_BYTES
+    view = memoryview(data)
+    sha256, join, tag = hashlib.sha256, b"".join, _TAG
+    out: list[bytes] = []
+    for start in range(start_page * step, len(data) - step + 1, step):
+        prev = sha256(join((tag, prev, ns, view[start : start + step]))).digest()
+        out.append(prev)
+    return out
+
+
+def _check_page_size(page_size: object) -> None:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
 def page_hashes(
-    tokens: Sequence[int],
+    tokens: Iterable[int],
     page_size: int,
     namespace: str = "",
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Chained SHA-256 hashes of the whole pages of ``tokens``.
 
-    ``tokens``: token ids (Python ints in the int64 range); a trailing partial page is
+    ``tokens``: token ids (validated like ``pack_tokens``); a trailing partial page is
     ignored. ``parent``: the hash of the page just before ``tokens[0]`` (None at the start
     of a sequence). Returns one 32-byte hash per whole page, in order; an empty list when
     ``tokens`` holds less than one page. Pure.
     """
-    if not isinstance(page_size, int) or page_size <= 0:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    _check_page_size(page_size)
     if parent is not None and (not isinstance(parent, bytes) or len(parent) != HASH_BYTES):
         raise ValueError(f"parent must be None or {HASH_BYTES} bytes, got {parent!r}")
-    ns = _namespace_bytes(namespace)
-    prev = _NO_PARENT if parent is None else parent
-    fmt = f"<{page_size}q"
-    out: list[bytes] = []
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        page = tokens[start : start + page_size]
-        try:
-            payload = struct.pack(fmt, *page)
-        except struct.error as exc:
-            raise ValueError(
-                f"token ids must be ints in [{_INT64_MIN}, {_INT64_MAX}], got page {page!r}"
-            ) from exc
-        prev = hashlib.sha256(_TAG + prev + ns + payload).digest()
-        out.append(prev)
-    return out
+    return packed_page_hashes(pack_tokens(tokens), page_size, namespace, parent)
 
 
-@dataclass(frozen=True, slots=True)
 class RadixKey:
-    """Token ids plus a namespace: the key of the radix tree.
+    """Token ids plus a namespace: the key of the radix tree. Immutable.
 
-    ``tokens`` is stored as a tuple of ints (any sequence is accepted and copied);
-    ``namespace`` is a string ("" is the default namespace).
+    ``RadixKey(tokens, namespace)`` validates ``tokens`` once (see ``pack_tokens``);
+    ``RadixKey.from_packed`` wraps bytes that are already valid packed tokens. ``data`` is
+    the packed form, ``tokens`` a tuple view (built on each access), ``namespace`` a str.
     """
 
-    tokens: tuple[int, ...]
-    namespace: str = ""
+    __slots__ = ("data", "namespace")
 
-    def __post_init__(self) -> None:
-        tokens = tuple(self.tokens)
-        for t in tokens:
-            # bool is an int subclass but never a token id.
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise TypeError(f"RadixKey tokens must be ints, got {t!r}")
-        if not isinstance(self.namespace, str):
-            raise TypeError(f"RadixKey namespace must be a str, got {self.namespace!r}")
-        object.__setattr__(self, "tokens", tokens)
+    data: bytes
+    namespace: str
+
+    def __init__(self, tokens: Iterable[int], namespace: str = "") -> None:
+        if not isinstance(namespace, str):
+            raise TypeError(f"RadixKey namespace must be a str, got {namespace!r}")
+        self.data = pack_tokens(tokens)
+        self.namespace = namespace
+
+    @classmethod
+    def from_packed(cls, data: bytes, namespace: str = "") -> RadixKey:
+        """A key over packed tokens that were validated before (no check, no copy)."""
+        key = cls.__new__(cls)
+        key.data = data
+        key.namespace = namespace
+        return key
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return unpack_tokens(self.data)
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.data) >> 3
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RadixKey):
+            return NotImplemented
+        return self.data == other.data and self.namespace == other.namespace
+
+    def __hash__(self) -> int:
+        return hash((self.data, self.namespace))
+
+    def __repr__(self) -> str:
+        return f"RadixKey({len(self)} tokens, namespace={self.namespace!r})"
 
     def num_pages(self, page_size: int) -> int:
         """Number of whole pages of ``page_size`` tokens in the key."""
-        if not isinstance(page_size, int) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        return len(self.tokens) // page_size
+        _check_page_size(page_size)
+        return len(self.data) // (page_size * TOKEN_BYTES)
+
+    def prefix(self, num_tokens: int) -> RadixKey:
+        """The key's first ``num_tokens`` tokens (self when that is all of it)."""
+        end = num_tokens * TOKEN_BYTES
+        if end >= len(self.data):
+            return self
+        return RadixKey.from_packed(self.data[: max(end, 0)], self.namespace)
 
     def page_aligned(self, page_size: int) -> RadixKey:
         """The key truncated to whole pages (self when already aligned)."""
-        n = self.num_pages(page_size) * page_size
-        if n == len(self.tokens):
-            return self
-        return RadixKey(self.tokens[:n], self.namespace)
+        return self.prefix(self.num_pages(page_size) * page_size)
 
-    def page_hashes(self, page_size: int, parent: bytes | None = None) -> list[bytes]:
-        """Chained hashes of the key's whole pages (see ``page_hashes``)."""
-        return page_hashes(self.tokens, page_size, self.namespace, parent)
+    def page_hashes(
+        self, page_size: int, parent: bytes | None = None, start_page: int = 0
+    ) -> list[bytes]:
+        """Chained hashes of the key's whole pages from ``start_page`` on; ``parent`` is the
+        hash of page ``start_page - 1`` (see ``page_hashes``)."""
+        _check_page_size(page_size)
+        return packed_page_hashes(self.data, page_size, self.namespace, parent, start_page)

@@ -4,12 +4,35 @@ Index conventions: device pages, host pages and Mamba state slots are plain ints
 pools' indices). A node's ``device_indices`` / ``host_indices`` are tuples with one page
 per ``page_size`` tokens of the node, or None when the node has no copy on that tier.
 Nodes are mutated only by ``RadixTree``; callers read them and pass them back.
+
+Tokens are stored packed: ``data`` holds the node's token ids as little-endian int64
+bytes (``hashing.pack_tokens``), so comparing a node against a key is one bytes
+comparison. Page hashes are computed from those bytes on first use (``hashes``) and kept.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from mesh_hicache.radix.hashing import packed_page_hashes, unpack_tokens
+
+
+class Tier(str, enum.Enum):
+    """Where a copy lives: device memory (L1) or host memory (L2)."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+class Family(str, enum.Enum):
+    """What the tree records for a node on a tier: KV pages or a recurrent-state slot."""
+
+    KV = "kv"
+    """One page index per page of the node."""
+    STATE = "state"
+    """One slot index: the recurrent (Mamba) state after the node's last token."""
 
 
 class TreeNode:
@@ -25,8 +48,9 @@ class TreeNode:
         "namespace",
         "parent",
         "children",
-        "tokens",
-        "hashes",
+        "data",
+        "num_pages",
+        "_hashes",
         "device_indices",
         "host_indices",
         "mamba_device_slot",
@@ -36,9 +60,9 @@ class TreeNode:
         "hit_count",
         "last_access",
         "num_device_children",
-        "version",
         "alive",
         "is_sentinel",
+        "queue_pos",
     )
 
     def __init__(
@@ -46,8 +70,8 @@ class TreeNode:
         node_id: int,
         namespace: str,
         parent: TreeNode | None,
-        tokens: tuple[int, ...],
-        hashes: tuple[bytes, ...],
+        data: bytes,
+        num_pages: int,
         *,
         is_sentinel: bool = False,
     ) -> None:
@@ -55,11 +79,12 @@ class TreeNode:
         """Creation id: unique, increasing; the deterministic tie-breaker."""
         self.namespace = namespace
         self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        """Child nodes keyed by the tokens of their first page."""
-        self.tokens = tokens
-        self.hashes = hashes
-        """One chained page hash per page (``hashing.page_hashes``)."""
+        self.children: dict[bytes, TreeNode] = {}
+        """Child nodes keyed by the packed bytes of their first page."""
+        self.data = data
+        """The node's tokens packed as little-endian int64 bytes (8 bytes per token)."""
+        self.num_pages = num_pages
+        self._hashes: tuple[bytes, ...] | None = () if is_sentinel else None
         self.device_indices: tuple[int, ...] | None = None
         self.host_indices: tuple[int, ...] | None = None
         self.mamba_device_slot: int | None = None
@@ -73,18 +98,52 @@ class TreeNode:
         """Logical clock value of the last match/insert through this node."""
         self.num_device_children = 0
         """Children that hold a device copy (device eviction takes device leaves only)."""
-        self.version = 0
-        """Bumped when the node's eviction candidacy may change (stale heap entries)."""
         self.alive = True
         self.is_sentinel = is_sentinel
+        self.queue_pos = [-1, -1, -1, -1]
+        """Position in each eviction queue (``queues.EvictionQueues``), -1 when absent."""
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.data) >> 3
 
     @property
-    def num_pages(self) -> int:
-        return len(self.hashes)
+    def tokens(self) -> tuple[int, ...]:
+        """The node's token ids (unpacked on each call: prefer ``data`` in hot paths)."""
+        return unpack_tokens(self.data)
+
+    def first_page(self, page_size: int) -> bytes:
+        """Packed bytes of the node's first page: its key in ``parent.children``."""
+        return self.data[: page_size * 8]
+
+    @property
+    def hashes(self) -> tuple[bytes, ...]:
+        """One chained page hash per page (``hashing.page_hashes``), computed on first use
+        for this node and every ancestor still without them, then kept."""
+        hashes = self._hashes
+        if hashes is None:
+            hashes = self._compute_hashes()
+        return hashes
+
+    def _compute_hashes(self) -> tuple[bytes, ...]:
+        chain: list[TreeNode] = []
+        n: TreeNode | None = self
+        while n is not None and n._hashes is None:
+            chain.append(n)
+            n = n.parent
+        parent_hash = n._hashes[-1] if n is not None and n._hashes else None
+        for m in reversed(chain):
+            ps = m.num_tokens // m.num_pages
+            hashes = tuple(packed_page_hashes(m.data, ps, m.namespace, parent_hash))
+            m._hashes = hashes
+            parent_hash = hashes[-1]
+        assert self._hashes is not None
+        return self._hashes
+
+    @property
+    def hashes_known(self) -> bool:
+        """Whether ``hashes`` were computed already (reading them never costs a hash)."""
+        return self._hashes is not None
 
     @property
     def on_device(self) -> bool:
@@ -101,8 +160,10 @@ class TreeNode:
 
     @property
     def last_hash(self) -> bytes | None:
-        """Hash of the node's last page (None for sentinels)."""
-        return self.hashes[-1] if self.hashes else None
+        """Hash of the node's last page (None for sentinels); computes hashes if needed."""
+        if self.is_sentinel:
+            return None
+        return self.hashes[-1]
 
     def __repr__(self) -> str:
         return (

@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from mesh_hicache.cache import HiCache
+from mesh_hicache.radix import pack_tokens
 from mesh_hicache.topology import MeshTopology
 from tests.distributed.harness import run_on_mesh
 from tests.unit.test_cache_support import (
@@ -238,7 +239,7 @@ def _node(cache: HiCache, tokens: list[int]):
     node = cache.tree._roots[""]
     pos = 0
     while pos < len(tokens):
-        node = node.children[tuple(tokens[pos : pos + PS])]
+        node = node.children[pack_tokens(tokens[pos : pos + PS])]
         pos += node.num_tokens
     return node
 

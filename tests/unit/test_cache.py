@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import PREFETCH_POLICIES
 from mesh_hicache.layout import RegionName
+from mesh_hicache.radix import pack_tokens
 from mesh_hicache.storage.keys import HEADER_SIZE
 from mesh_hicache.topology import MeshTopology
 from mesh_hicache.transfer.engine import TransferKind
@@ -64,7 +65,7 @@ def node_of(cache: HiCache, tokens: list[int]):
     node = cache.tree._roots[""]
     pos = 0
     while pos < len(tokens):
-        node = node.children[tuple(tokens[pos : pos + PS])]
+        node = node.children[pack_tokens(tokens[pos : pos + PS])]
         pos += node.num_tokens
     assert pos == len(tokens)
     return node

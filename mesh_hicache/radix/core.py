@@ -1,0 +1,383 @@
+"""The radix tree's structure and the mutations that keep its invariants (DESIGN.md section 5).
+
+``TreeCore`` owns the nodes, the per-tier totals and the eviction queues, and offers the
+one verb pair for tier transitions (``attach`` / ``detach``, keyed by ``Tier`` and
+``Family``); ``RadixTree`` (tree.py) builds match, insert, protection and eviction on top
+of it. Every mutation here keeps:
+
+- every non-sentinel node holds a KV copy on device, on host, or on both, for all its pages;
+- device copies are prefix-closed: a node on device has its parent on device (or the
+  parent is a sentinel);
+- a Mamba state belongs to the node's last token; on a split it stays with the deeper part;
+- ``lock_ref`` / ``host_ref`` count protections of the whole path to the root;
+- a node is in an eviction queue exactly when it is a candidate for that target.
+
+Positions inside packed data are byte offsets (8 bytes per token); ``self._page_bytes`` is
+the bytes of one page.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+
+from mesh_hicache.radix.eviction import EvictionPolicy, LRUPolicy
+from mesh_hicache.radix.hashing import TOKEN_BYTES, RadixKey
+from mesh_hicache.radix.node import EvictResult, Family, Tier, TreeNode
+from mesh_hicache.radix.queues import EvictionQueues
+
+#: (tier, family) -> (node attribute, tree total).
+_FIELDS = {
+    (Tier.DEVICE, Family.KV): ("device_indices", "num_device_pages"),
+    (Tier.HOST, Family.KV): ("host_indices", "num_host_pages"),
+    (Tier.DEVICE, Family.STATE): ("mamba_device_slot", "num_mamba_device_slots"),
+    (Tier.HOST, Family.STATE): ("mamba_host_slot", "num_mamba_host_slots"),
+}
+
+
+class Freed:
+    """Accumulates what one eviction call frees."""
+
+    __slots__ = ("device", "host", "mamba_device", "mamba_host")
+
+    def __init__(self) -> None:
+        self.device: list[int] = []
+        self.host: list[int] = []
+        self.mamba_device: list[int] = []
+        self.mamba_host: list[int] = []
+
+    def result(self) -> EvictResult:
+        return EvictResult(
+            tuple(self.device), tuple(self.host), tuple(self.mamba_device), tuple(self.mamba_host)
+        )
+
+
+def common_bytes(data: bytes, pos: int, other: bytes, page_bytes: int) -> int:
+    """Bytes of ``other`` that equal ``data[pos:]``, in whole pages (one XOR of the two
+    runs as big ints: the lowest set bit is the first differing byte)."""
+    end = min(len(other), len(data) - pos)
+    diff = int.from_bytes(data[pos : pos + end], "little") ^ int.from_bytes(other[:end], "little")
+    if not diff:
+        return end
+    first = ((diff & -diff).bit_length() - 1) >> 3
+    return first - first % page_bytes
+
+
+class TreeCore:
+    """Nodes, totals and queues of a radix tree, and its invariant-keeping mutations."""
+
+    def __init__(
+        self, page_size: int, has_mamba: bool, policy: EvictionPolicy | None = None
+    ) -> None:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if not isinstance(has_mamba, bool):
+            raise TypeError(f"has_mamba must be a bool, got {has_mamba!r}")
+        if policy is not None and not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"policy must be an EvictionPolicy or None, got {policy!r}")
+        self.page_size = page_size
+        self.has_mamba = has_mamba
+        self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        #: Logical clock: advanced once per match/insert; stamps ``last_access``.
+        self.clock = 0
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._next_id = 0
+        self._roots: dict[str, TreeNode] = {}
+        # Returned as ``last_node`` on a miss in a namespace the tree has never seen.
+        self._miss_root = TreeNode(-1, "", None, b"", 0, is_sentinel=True)
+        self._queues = EvictionQueues(self.policy)
+        self._rekey_on_touch = not self.policy.monotone
+        self.num_nodes = 0
+        self.num_device_pages = 0
+        self.num_host_pages = 0
+        self.num_mamba_device_slots = 0
+        self.num_mamba_host_slots = 0
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_key(self, key: RadixKey) -> RadixKey:
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
+        return key.page_aligned(self.page_size)
+
+    @staticmethod
+    def _check_indices(
+        name: str, indices: Sequence[int] | None, num_pages: int
+    ) -> tuple[int, ...] | None:
+        if indices is None:
+            return None
+        out = tuple(map(operator.index, indices))
+        if len(out) != num_pages:
+            raise ValueError(
+                f"{name} must hold {num_pages} pages (one per whole page), got {len(out)}"
+            )
+        return out
+
+    def _check_node(self, node: TreeNode) -> None:
+        if not isinstance(node, TreeNode) or node.is_sentinel or not node.alive:
+            raise ValueError(f"expected a live non-sentinel node of this tree, got {node!r}")
+
+    # ------------------------------------------------------------- structure
+
+    def _new_node(
+        self, namespace: str, parent: TreeNode | None, data: bytes, sentinel: bool = False
+    ) -> TreeNode:
+        num_pages = len(data) // self._page_bytes
+        node = TreeNode(self._next_id, namespace, parent, data, num_pages, is_sentinel=sentinel)
+        self._next_id += 1
+        if not sentinel:
+            self.num_nodes += 1
+        return node
+
+    def _touch(self, node: TreeNode, hit: bool) -> None:
+        """Stamp an access (a timestamp store; queues re-rank lazily, see queues.py)."""
+        node.last_access = self.clock
+        if hit:
+            node.hit_count += 1
+        if self._rekey_on_touch:
+            self._queues.update(node)
+
+    @staticmethod
+    def _up(node: TreeNode) -> Iterator[TreeNode]:
+        n: TreeNode | None = node
+        while n is not None and not n.is_sentinel:
+            yield n
+            n = n.parent
+
+    def _walk(
+        self, root: TreeNode, data: bytes
+    ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
+        """Fully matched nodes, their byte count, and (node, bytes) of a partial match."""
+        pb = self._page_bytes
+        path: list[TreeNode] = []
+        node = root
+        pos = 0
+        n = len(data)
+        while pos < n:
+            child = node.children.get(data[pos : pos + pb])
+            if child is None:
+                break
+            if not data.startswith(child.data, pos):
+                return path, pos, (child, common_bytes(data, pos, child.data, pb))
+            path.append(child)
+            pos += len(child.data)
+            node = child
+        return path, pos, None
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` bytes; returns the new upper node. The Mamba state
+        stays with ``child`` (the deeper part), protections and stats are copied up."""
+        pb = self._page_bytes
+        j = m // pb
+        parent = child.parent
+        assert parent is not None and 0 < m < len(child.data) and m % pb == 0
+        upper = self._new_node(child.namespace, parent, child.data[:m])
+        if child.device_indices is not None:
+            upper.device_indices = child.device_indices[:j]
+            child.device_indices = child.device_indices[j:]
+            upper.num_device_children = 1
+        if child.host_indices is not None:
+            upper.host_indices = child.host_indices[:j]
+            child.host_indices = child.host_indices[j:]
+        if child._hashes is not None:
+            upper._hashes, child._hashes = child._hashes[:j], child._hashes[j:]
+        upper.lock_ref = child.lock_ref
+        upper.host_ref = child.host_ref
+        upper.hit_count = child.hit_count
+        upper.last_access = child.last_access
+        parent.children[upper.data[:pb]] = upper
+        child.data = child.data[m:]
+        child.num_pages -= j
+        child.parent = upper
+        upper.children[child.data[:pb]] = child
+        self._queues.update(upper)
+        self._queues.update(child)
+        return upper
+
+    # -------------------------------------------------------- tier transitions
+
+    def attach(self, node: TreeNode, tier: Tier, family: Family, indices: Sequence[int]) -> None:
+        """Record a copy of ``node`` on ``tier``: its KV pages (``indices``: one page per page
+        of the node) or its recurrent state (``indices``: one slot). After a backup
+        (host) or a load (device). ValueError if the node already has that copy, if a
+        device KV copy would hang below a parent that is not on device (load a path
+        top-down), or for a state in a tree without Mamba.
+        """
+        self._check_node(node)
+        tier, family = Tier(tier), Family(family)
+        what = f"attach({tier.value}, {family.value})"
+        if family is Family.STATE:
+            self._check_state_family()
+            if len(indices) != 1:
+                raise ValueError(f"{what}: a state takes one slot, got {indices!r}")
+            if (
+                node.mamba_device_slot if tier is Tier.DEVICE else node.mamba_host_slot
+            ) is not None:
+                raise ValueError(f"{what}: {node!r} already has a {tier.value} state")
+            self._attach(node, tier, family, operator.index(indices[0]))
+            return
+        if (node.device_indices if tier is Tier.DEVICE else node.host_indices) is not None:
+            raise ValueError(f"{what}: {node!r} already has a {tier.value} copy")
+        if tier is Tier.DEVICE:
+            parent = node.parent
+            assert parent is not None
+            if not parent.is_sentinel and parent.device_indices is None:
+                raise ValueError(f"{what}: the parent of {node!r} is not on device")
+        idx = self._check_indices(f"{tier.value} indices", indices, node.num_pages)
+        self._attach(node, tier, family, idx)
+
+    def detach(
+        self, node: TreeNode, tier: Tier, family: Family, invalid: bool = False
+    ) -> tuple[int, ...]:
+        """Drop the copy of ``node`` on ``tier``; returns its pages (KV) or ``(slot,)``.
+
+        KV device: the node must be unlocked, host-backed and have no child on device.
+        KV host: the node must also have a device copy and not be host-protected, unless
+        ``invalid`` (the host copy never held valid data, its backup failed, so no reader
+        can rely on it). State: never removes the node (a childless tombstone goes at a
+        later eviction). ValueError otherwise.
+        """
+        self._check_node(node)
+        tier, family = Tier(tier), Family(family)
+        what = f"detach({tier.value}, {family.value})"
+        if family is Family.STATE:
+            self._check_state_family()
+            if (node.mamba_device_slot if tier is Tier.DEVICE else node.mamba_host_slot) is None:
+                raise ValueError(f"{what}: {node!r} has no {tier.value} state")
+        elif node.host_indices is None or node.device_indices is None:
+            raise ValueError(f"{what}: {node!r} needs both a host and a device copy")
+        elif tier is Tier.DEVICE and (node.lock_ref > 0 or node.num_device_children > 0):
+            raise ValueError(f"{what}: {node!r} is locked or has children on device")
+        elif tier is Tier.HOST and node.host_ref > 0 and not invalid:
+            raise ValueError(f"{what}: {node!r} is host-protected")
+        return self._detach(node, tier, family)
+
+    def _check_state_family(self) -> None:
+        if not self.has_mamba:
+            raise ValueError("Mamba state operation on a RadixTree built with has_mamba=False")
+
+    # compat: callers move to attach/detach
+    def set_host(self, node: TreeNode, host_indices: Sequence[int]) -> None:
+        self.attach(node, Tier.HOST, Family.KV, host_indices)
+
+    # compat: callers move to attach/detach
+    def clear_host(self, node: TreeNode, invalid: bool = False) -> tuple[int, ...]:
+        return self.detach(node, Tier.HOST, Family.KV, invalid)
+
+    # compat: callers move to attach/detach
+    def attach_device(self, node: TreeNode, device_indices: Sequence[int]) -> None:
+        self.attach(node, Tier.DEVICE, Family.KV, device_indices)
+
+    # compat: callers move to attach/detach
+    def clear_device(self, node: TreeNode) -> tuple[int, ...]:
+        return self.detach(node, Tier.DEVICE, Family.KV)
+
+    # compat: callers move to attach/detach
+    def attach_mamba_device(self, node: TreeNode, slot: int) -> None:
+        self.attach(node, Tier.DEVICE, Family.STATE, [slot])
+
+    # compat: callers move to attach/detach
+    def set_mamba_host(self, node: TreeNode, slot: int) -> None:
+        self.attach(node, Tier.HOST, Family.STATE, [slot])
+
+    # compat: callers move to attach/detach
+    def clear_mamba_device(self, node: TreeNode) -> int:
+        return self.detach(node, Tier.DEVICE, Family.STATE)[0]
+
+    # compat: callers move to attach/detach
+    def clear_mamba_host(self, node: TreeNode) -> int:
+        return self.detach(node, Tier.HOST, Family.STATE)[0]
+
+    # ---------------------------------------------------- tier state, counts
+
+    def _attach(self, node: TreeNode, tier: Tier, family: Family, value: object) -> None:
+        """Record ``value`` (a page tuple, or a slot int) at (tier, family). Unchecked."""
+        attr, total = _FIELDS[(tier, family)]
+        assert getattr(node, attr) is None
+        setattr(node, attr, value)
+        size = len(value) if family is Family.KV else 1  # type: ignore[arg-type]
+        setattr(self, total, getattr(self, total) + size)
+        if tier is Tier.DEVICE and family is Family.KV:
+            parent = node.parent
+            assert parent is not None
+            parent.num_device_children += 1
+            self._queues.update(parent)
+        self._queues.update(node)
+
+    def _detach(self, node: TreeNode, tier: Tier, family: Family) -> tuple[int, ...]:
+        """Drop (tier, family) of ``node``; returns the pages, or the one slot. Unchecked."""
+        attr, total = _FIELDS[(tier, family)]
+        value = getattr(node, attr)
+        assert value is not None
+        setattr(node, attr, None)
+        out: tuple[int, ...] = value if family is Family.KV else (value,)
+        setattr(self, total, getattr(self, total) - len(out))
+        if tier is Tier.DEVICE and family is Family.KV:
+            parent = node.parent
+            assert parent is not None
+            parent.num_device_children -= 1
+            self._queues.update(parent)
+        self._queues.update(node)
+        return out
+
+    def _add_ref(self, node: TreeNode, attr: str, delta: int, undo_of: str) -> None:
+        """Add ``delta`` to the ``attr`` count (lock_ref / host_ref) of ``node``'s path.
+
+        Candidacy changes only when a count crosses zero. ValueError when undoing
+        (``delta < 0``) a protection the path does not hold.
+        """
+        path = list(self._up(node))
+        if delta < 0 and any(getattr(n, attr) <= 0 for n in path):
+            raise ValueError(f"{undo_of} of {node!r} without a matching protection")
+        for n in path:
+            count = getattr(n, attr) + delta
+            setattr(n, attr, count)
+            if count == 0 or count == delta:
+                self._queues.update(n)
+
+    def _after_state_loss(self, node: TreeNode, freed: Freed) -> None:
+        """Remove ``node`` if it became a childless, unprotected tombstone."""
+        if (
+            self.has_mamba
+            and not node.has_mamba_state
+            and not node.children
+            and node.lock_ref == 0
+            and node.host_ref == 0
+        ):
+            self._remove(node, freed)
+
+    def _remove(self, node: TreeNode, freed: Freed) -> None:
+        """Remove a childless unprotected node, freeing everything it holds, then its
+        ancestors that became childless tombstones."""
+        pb = self._page_bytes
+        while True:
+            assert not node.children and node.lock_ref == 0 and node.host_ref == 0
+            parent = node.parent
+            assert parent is not None and not node.is_sentinel
+            if node.device_indices is not None:
+                freed.device.extend(self._detach(node, Tier.DEVICE, Family.KV))
+            if node.host_indices is not None:
+                freed.host.extend(self._detach(node, Tier.HOST, Family.KV))
+            if node.mamba_device_slot is not None:
+                freed.mamba_device.extend(self._detach(node, Tier.DEVICE, Family.STATE))
+            if node.mamba_host_slot is not None:
+                freed.mamba_host.extend(self._detach(node, Tier.HOST, Family.STATE))
+            del parent.children[node.data[:pb]]
+            node.alive = False
+            self._queues.remove(node)
+            self.num_nodes -= 1
+            if parent.is_sentinel:
+                if not parent.children:
+                    del self._roots[parent.namespace]
+                return
+            if (
+                self.has_mamba
+                and not parent.children
+                and not parent.has_mamba_state
+                and parent.lock_ref == 0
+                and parent.host_ref == 0
+            ):
+                node = parent
+                continue
+            self._queues.update(parent)
+            return
