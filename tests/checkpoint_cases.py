@@ -1,0 +1,186 @@
+"""Tiny random Hugging Face checkpoints built by transformers itself (no download).
+
+Each case constructs a config class with shapes like the real models (one or two B/C
+groups, nope / full / partial RoPE, tied embeddings, multipliers != 1, MoE with several
+experts, Nemotron-H's block pattern with a leading MLP and consecutive mixers),
+re-draws every weight with a scale that makes the model non-trivial (transformers'
+0.02 init gives near-constant logits) and saves it with ``save_pretrained``.
+Helpers convert transformers' cache into this runtime's state layout for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
+pytest.importorskip("safetensors", reason="needs safetensors (test extra)")
+
+VOCAB = 128
+CASES = ("granite_moe", "granite_dense", "bamba", "nemotron_h")
+
+
+def _config(case: str):
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    if case == "granite_moe":  # Granite 4.0-H Tiny/Small-like: nope, 1 group, tied, MoE
+        return transformers.GraniteMoeHybridConfig(
+            **common,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            num_hidden_layers=4,
+            mamba_n_heads=8,
+            mamba_n_groups=1,
+            mamba_d_state=8,
+            mamba_d_head=8,
+            mamba_chunk_size=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            shared_intermediate_size=24,
+            position_embedding_type="nope",
+            tie_word_embeddings=True,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.25,
+            residual_multiplier=0.6,
+            logits_scaling=2.5,
+        )
+    if case == "granite_dense":  # Granite 4.0-H Micro-like: dense, full RoPE, untied
+        return transformers.GraniteMoeHybridConfig(
+            **common,
+            layer_types=["mamba", "mamba", "attention"],
+            num_hidden_layers=3,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_head=8,
+            mamba_chunk_size=16,
+            num_local_experts=0,
+            shared_intermediate_size=48,
+            position_embedding_type="rope",
+            tie_word_embeddings=False,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.8,
+            logits_scaling=1.5,
+            attention_multiplier=0.3,
+        )
+    if case == "bamba":  # partial rotary (0.5), 2 groups
+        return transformers.BambaConfig(
+            **common,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            intermediate_size=48,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_head=8,
+            mamba_chunk_size=16,
+        )
+    assert case == "nemotron_h"  # block pattern "-ME*-MM", group-limited sigmoid router
+    return transformers.NemotronHConfig(
+        **common,
+        layers_block_type=[
+            "mlp",
+            "linear_attention",
+            "moe",
+            "full_attention",
+            "mlp",
+            "linear_attention",
+            "linear_attention",
+        ],  # fmt: skip
+        head_dim=8,
+        intermediate_size=48,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=2,
+        chunk_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=16,
+        routed_scaling_factor=1.5,
+    )
+
+
+_MODELS = {
+    "granite_moe": "GraniteMoeHybridForCausalLM",
+    "granite_dense": "GraniteMoeHybridForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+}
+
+
+@torch.no_grad()
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=gen)
+
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if not p.is_floating_point() or "inv_freq" in name:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 15 + 1))
+        elif leaf == "D":
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        elif leaf == "dt_bias":
+            lo, hi = math.log(1e-3), math.log(1e-1)
+            dt0 = torch.exp(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
+            p.copy_(dt0 + torch.log(-torch.expm1(-dt0)))
+            p[:2] = -10.0  # softplus ~ 5e-5: below Nemotron-H's dt clamp (1e-3)
+        elif leaf == "e_score_correction_bias":
+            p.copy_(randn(p.shape) * 0.1)
+        elif p.dim() == 1 and "norm" in name:
+            p.copy_(1 + 0.1 * randn(p.shape))
+        elif p.dim() == 1:  # conv bias
+            p.copy_(0.1 * randn(p.shape))
+        elif "conv1d" in name:
+            p.copy_(0.5 * randn(p.shape))
+        elif "embed" in name:
+            p.copy_(randn(p.shape))
+        else:
+            p.copy_(randn(p.shape) * p.shape[-1] ** -0.5)
+
+
+def build(case: str, root: Path, seed: int = 0) -> Path:
+    """Save case ``case`` under ``root / case`` (once) and return the directory."""
+    directory = root / case
+    if not (directory / "config.json").exists():
+        model = getattr(transformers, _MODELS[case])(_config(case)).eval()
+        _redraw(model, seed)
+        model.save_pretrained(directory)
+    return directory
+
+
+def hf_model(directory: Path, dtype: torch.dtype = torch.float32):
+    """The checkpoint loaded by transformers (eager attention)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype, attn_implementation="eager"
+    ).eval()
+
+
+def hf_layer_index(case: str, config, layer: int) -> int:
+    """transformers' layer index of this runtime's cache layer ``layer`` (its mixer block):
+    Nemotron-H has one block per layer, Granite / Bamba two (mixer, feed-forward)."""
+    blocks = config.layer_blocks()[layer]
+    mixer = next(b for b in blocks if config.blocks[b] in "AS")
+    return mixer if case == "nemotron_h" else mixer // 2
+
+
+def hf_conv_to_runtime(conv: torch.Tensor, config) -> torch.Tensor:
+    """transformers' conv state ``[x | B | C, K]`` -> this runtime's ``[group-major, K-1]``."""
+    c = config
+    p, n, g = c.ssm_head_dim, c.ssm_state_dim, c.num_groups
+    inner, width = c.ssm_heads * p, c.ssm_heads // g * p
+    rows = []
+    for group in range(g):
+        rows.append(conv[group * width : (group + 1) * width])
+        rows.append(conv[inner + group * n : inner + (group + 1) * n])
+        rows.append(conv[inner + g * n + group * n : inner + g * n + (group + 1) * n])
+    return torch.cat(rows)[:, -(c.conv_kernel - 1) :]

@@ -1,0 +1,156 @@
+"""Hugging Face checkpoints on one rank equal transformers on the same weights.
+
+Oracle: transformers' own eager PyTorch implementation of each architecture, loading
+the same ``save_pretrained`` directory. Tolerance (float32): ATOL = 1e-4 on logits of
+magnitude ~1-10; only the order of float sums differs (our chunked scan vs theirs,
+SDPA vs eager attention). Measured max differences are ~1e-6. bfloat16 is checked
+against transformers in bfloat16 with a tolerance of 5e-2 relative to the logit scale
+(both round activations to 8 bits, in different places).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.checkpoints import SUPPORTED, load_checkpoint
+from runtime.engine import Engine
+from runtime.model import HybridModel
+from tests.checkpoint_cases import CASES, build, hf_conv_to_runtime, hf_layer_index, hf_model
+
+ATOL = 1e-4
+PROMPT = 37
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf_ckpt")
+
+
+def _ids(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_state_equal_transformers(root: Path, case: str) -> None:
+    directory = build(case, root)
+    ckpt = load_checkpoint(directory)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    ids = _ids(PROMPT)
+    hf = hf_model(directory)
+    with torch.no_grad():
+        out = hf(ids[None], position_ids=torch.arange(PROMPT)[None], use_cache=True)
+    want = out.logits[0].float()
+    assert want.abs().max() > 1.0  # a non-trivial model
+    state = model.new_state()
+    got = model.prefill(ids, state, all_logits=True)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    # The state after the prompt equals transformers' cache, layer by layer.
+    c = ckpt.config
+    for layer in range(c.num_layers):
+        idx = hf_layer_index(case, c, layer)
+        if layer in state.k:
+            keys = out.cache.layers[idx].keys[0].transpose(0, 1)
+            values = out.cache.layers[idx].values[0].transpose(0, 1)
+            torch.testing.assert_close(state.k[layer], keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(state.v[layer], values, atol=ATOL, rtol=0)
+        else:
+            conv = hf_conv_to_runtime(out.cache.get_conv_state(idx, state_idx=0)[0], c)
+            ssm = out.cache.get_recurrent_state(idx, state_idx=0)[0]
+            torch.testing.assert_close(state.conv[layer], conv, atol=ATOL, rtol=0)
+            torch.testing.assert_close(state.ssm[layer], ssm.float(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_equal_generate(root: Path, case: str) -> None:
+    directory = build(case, root)
+    ckpt = load_checkpoint(directory)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    prompt = _ids(21, seed=5)
+    hf = hf_model(directory)
+    with torch.no_grad():
+        generated = hf.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, 21, dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    want = generated[0, 21:].tolist()
+    got = Engine(model, None, max_new_tokens=8).serve(prompt.tolist()).output_ids
+    assert got == want
+
+
+def test_nemotron_dt_clamp_is_applied(root: Path) -> None:
+    # Two heads per SSM layer have dt ~ 5e-5 < time_step_min: without the clamp the
+    # logits move far beyond the tolerance (checked here so the case can fail).
+    directory = build("nemotron_h", root)
+    ckpt = load_checkpoint(directory)
+    assert ckpt.config.dt_min == pytest.approx(1e-3)
+    ids = _ids(PROMPT)
+    clamped = HybridModel(ckpt.config, weights=ckpt.weights)
+    from dataclasses import replace
+
+    free = HybridModel(replace(ckpt.config, dt_min=0.0), weights=ckpt.weights)
+    a = clamped.prefill(ids, clamped.new_state(), all_logits=True)
+    b = free.prefill(ids, free.new_state(), all_logits=True)
+    assert (a - b).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+def test_bfloat16_close_to_transformers(root: Path, case: str) -> None:
+    directory = build(case, root)
+    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
+    assert ckpt.config.dtype == torch.bfloat16
+    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    assert model.blocks[0].mixer.w_out.dtype == torch.bfloat16
+    ids = _ids(PROMPT)
+    with torch.no_grad():
+        want = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
+    got = model.prefill(ids, model.new_state(), all_logits=True)
+    scale = want.abs().max()
+    assert (got - want).abs().max() < 5e-2 * scale
+
+
+def test_config_follows_the_checkpoint(root: Path) -> None:
+    c = load_checkpoint(build("granite_moe", root)).config
+    assert (c.layer_pattern, c.blocks) == ("SASS", "SEAESESE")
+    assert (c.num_groups, c.rope_dim, c.tie_embeddings) == (1, 0, True)
+    assert (c.embed_scale, c.attn_scale, c.residual_scale, c.logits_scale) == (3.0, 0.25, 0.6, 2.5)
+    assert (c.num_experts, c.experts_per_token, c.expert_hidden) == (4, 2, 16)
+    spec = c.state_spec(16)
+    assert spec.mamba is not None and spec.mamba.num_groups == 1
+    assert spec.mamba.conv_dim == 8 * 8 + 2 * 1 * 8
+    b = load_checkpoint(build("bamba", root)).config
+    assert (b.rope_dim, b.head_dim, b.num_groups) == (4, 8, 2)
+    n = load_checkpoint(build("nemotron_h", root)).config
+    assert (n.blocks, n.layer_pattern, n.mlp_kind, n.router) == (
+        "MSEAMSS",
+        "SASS",
+        "relu2",
+        "sigmoid",
+    )
+    assert n.layer_blocks() == [[0, 1, 2], [3, 4], [5], [6]]
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM") as err:
+        load_checkpoint(tmp_path)
+    for arch in SUPPORTED:
+        assert arch in str(err.value)
+    with pytest.raises(ValueError, match="config.json"):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_unsupported_feature_is_a_clear_error(root: Path, tmp_path: Path) -> None:
+    directory = build("bamba", root)
+    hf = json.loads((directory / "config.json").read_text())
+    hf["mlp_bias"] = True
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="mlp_bias"):
+        load_checkpoint(tmp_path)
