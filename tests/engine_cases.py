@@ -53,11 +53,24 @@ def _compare(label: str, tier: str, result: RequestResult, prompt: list[int], re
 
 
 def resume_scenarios(
-    topology: MeshTopology, cp_kv: str = "replicate", root: str | None = None
+    topology: MeshTopology,
+    cp_kv: str = "replicate",
+    root: str | None = None,
+    checkpoint: str | None = None,
 ) -> list[Check]:
-    """L1, L2 and L3 hits, aligned and unaligned prompts, eviction and reload cycles."""
-    config = preset("tiny")
-    model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE)
+    """L1, L2 and L3 hits, aligned and unaligned prompts, eviction and reload cycles.
+
+    ``checkpoint``: a Hugging Face checkpoint directory to serve instead of ``tiny``.
+    """
+    if checkpoint is None:
+        config = preset("tiny")
+        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE)
+    else:
+        from runtime.checkpoints import load_checkpoint
+
+        ckpt = load_checkpoint(checkpoint)
+        config = ckpt.config
+        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE, weights=ckpt.weights)
     ref = Engine(model, None, max_new_tokens=4, keep_logits=True)
     spec = config.state_spec(PAGE)
     root = root or tempfile.mkdtemp(prefix="mh_engine_")

@@ -154,3 +154,19 @@ def test_unsupported_feature_is_a_clear_error(root: Path, tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="mlp_bias"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["granite_moe", "nemotron_h"])
+def test_resume_from_every_tier_equals_recompute(
+    root: Path, case: str, one_rank_topology, tmp_path
+):
+    from tests.engine_cases import ATOL as RESUME_ATOL
+    from tests.engine_cases import resume_scenarios
+
+    directory = build(case, root)
+    checks = resume_scenarios(one_rank_topology, root=str(tmp_path), checkpoint=str(directory))
+    for c in checks:
+        assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
+        assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
+        assert c.tokens_equal, c.label
+    assert {c.tier for c in checks} == {"device", "host", "storage"}
