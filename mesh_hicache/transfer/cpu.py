@@ -13,11 +13,17 @@ twice). Same semantics as the CUDA engine.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import functools
+from collections.abc import Iterator
 
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.transfer.engine import TransferEngine, _Op
+
+# Runs an iterator to its end in C (the copies happen inside map, with no Python loop).
+_drain = functools.partial(collections.deque, maxlen=0)
 
 
 class CpuTransferEngine(TransferEngine):
@@ -30,20 +36,14 @@ class CpuTransferEngine(TransferEngine):
             raise ValueError(f"CpuTransferEngine needs CPU device pools, got {device_pools.device}")
         super().__init__(device_pools, host_pools)
 
-    def _run(self, op: _Op) -> None:
-        copies = self.segments.mem_copies(op.backup, op.pages, op.slots)
-        move = ctypes.memmove
-        for pos, seg_ids in enumerate(self.segments.by_layer):
-            self._check_fault(op, pos)
-            for seg in seg_ids:
-                job = copies[seg]
-                if job is None:
-                    continue
-                dsts, srcs, size = job
-                if isinstance(size, int):
-                    for d, s in zip(dsts, srcs, strict=True):
-                        move(d, s, size)
-                else:
-                    for d, s, z in zip(dsts, srcs, size, strict=True):
-                        move(d, s, z)
-            self._layer_ready(op, pos)
+    def _steps(self, op: _Op) -> Iterator[None]:
+        dst, src, size, bounds = self.segments.mem_rows(op.backup, op.pages, op.slots)
+        move, ready, drain = ctypes.memmove, self._layer_ready, _drain
+        for pos in range(len(self.layer_ids)):
+            if op.inject:
+                self._check_fault(op, pos)
+            a, b = bounds[pos], bounds[pos + 1]
+            if a < b:
+                drain(map(move, dst[a:b], src[a:b], size[a:b]))
+            ready(op, pos)
+            yield

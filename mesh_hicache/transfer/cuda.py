@@ -1,8 +1,9 @@
 """CUDA transfer engine: cupy pinned host pools, a dedicated CUDA stream, an event per layer.
 
-The worker thread issues every layer's copies of an operation on its own stream and
-records one CUDA event per layer, then waits on the events in layer order and publishes
-each layer as ready (so ``wait_layer(i)`` returns while layers after ``i`` still copy).
+The copying thread (the worker, or a waiter that found it idle) issues every layer's
+copies of an operation on the engine's own stream and records one CUDA event per layer,
+then waits on the events in layer order and publishes each layer as ready (so
+``wait_layer(i)`` returns while layers after ``i`` still copy).
 
 Per segment (one part of one layer, all rows of the op), the device side is gathered or
 scattered with one ``index_select``/``index_copy_`` through a preallocated device staging
@@ -14,6 +15,7 @@ bulk (no tensor view per row). Same semantics as the CPU engine.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -77,7 +79,19 @@ class CudaTransferEngine(TransferEngine):
             out.append(_Chunk(start, dev_idx, host_np[start : start + rows]))
         return out
 
-    def _run(self, op: _Op) -> None:
+    def _steps(self, op: _Op) -> Iterator[None]:
+        events, error = self._issue(op)
+        for pos, event in enumerate(events):
+            event.synchronize()
+            self._layer_ready(op, pos)
+            yield
+        if error is not None:
+            self._stream.synchronize()
+            raise error
+
+    def _issue(self, op: _Op) -> tuple[list[torch.cuda.Event], Exception | None]:
+        """Queue every layer's copies on the side stream, one event per layer; stop at the
+        first error (returned) with the events of the layers queued before it."""
         torch.cuda.set_device(self._device)
         events: list[torch.cuda.Event] = []
         error: Exception | None = None
@@ -110,12 +124,7 @@ class CudaTransferEngine(TransferEngine):
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 events.append(event)
-        for pos, event in enumerate(events):
-            event.synchronize()
-            self._layer_ready(op, pos)
-        self._stream.synchronize()
-        if error is not None:
-            raise error
+        return events, error
 
     def _copy_chunk(self, seg: int, chunk: _Chunk, backup: bool) -> None:
         s = self.segments.segments[seg]

@@ -15,7 +15,10 @@ Contract:
   once at construction (:mod:`mesh_hicache.transfer.segments`); an operation's row
   addresses are computed in bulk and its rows copied in as few native calls as the
   index pattern allows (never per token). The worker takes every queued operation at
-  each wake-up and runs them back to back.
+  each wake-up and runs them back to back. A thread that calls ``wait``/``wait_layer``
+  while no one is copying runs the queued copies itself (in the same order, up to what
+  it waits for) instead of waiting for the worker to be scheduled: one copying thread at
+  a time, so the order and every guarantee below are the same whoever copies.
 - ``handle.wait_layer(layer_id)`` (a global layer id held by this rank) blocks until that
   layer's data of the operation is in place and returns True; it returns False (never
   hangs) once the operation failed before finishing that layer. ``handle.wait()`` blocks
@@ -40,7 +43,7 @@ import abc
 import collections
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,17 +78,25 @@ class TransferAck:
 class TransferHandle:
     """Completion and per-layer readiness of one operation. Thread-safe."""
 
-    def __init__(self, op_id: int, kind: TransferKind, layer_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        op_id: int,
+        kind: TransferKind,
+        layer_ids: tuple[int, ...],
+        engine: TransferEngine | None = None,
+    ) -> None:
         self.op_id = op_id
         self.kind = kind
         self.layer_ids = layer_ids
+        self._engine = engine  # runs queued copies on the waiting thread when idle
         self._cond = threading.Condition()
         # Layers [0, _layers_done) of layer_ids are in place. The worker publishes a layer
-        # with a plain store and takes the lock only when someone waits (_waiters > 0):
-        # a waiter registers under the lock BEFORE testing, the worker stores BEFORE
-        # reading _waiters, so one of them always sees the other.
+        # with a plain store and takes the lock only when someone waits for a layer
+        # (_layer_waiters > 0): a waiter registers under the lock BEFORE testing, the
+        # worker stores BEFORE reading the count, so one of them always sees the other.
+        # wait() does not register there, so it is woken once, at the finish.
         self._layers_done = 0
-        self._waiters = 0
+        self._layer_waiters = 0
         self._finished = False
         self._ok = False
         self._ack: TransferAck | None = None
@@ -94,7 +105,7 @@ class TransferHandle:
     def _mark_layers(self, count: int) -> None:
         assert count >= self._layers_done
         self._layers_done = count
-        if self._waiters:
+        if self._layer_waiters:
             with self._cond:
                 self._cond.notify_all()
 
@@ -109,13 +120,13 @@ class TransferHandle:
             self._cond.notify_all()
         return self._ack
 
-    def _wait_for(self, ready: object, timeout: float | None) -> None:
+    def _wait_layer(self, pos: int, timeout: float | None) -> None:
         with self._cond:
-            self._waiters += 1
+            self._layer_waiters += 1
             try:
-                self._cond.wait_for(ready, timeout)  # type: ignore[arg-type]
+                self._cond.wait_for(lambda: self._layers_done > pos or self._finished, timeout)
             finally:
-                self._waiters -= 1
+                self._layer_waiters -= 1
 
     # consumer side
     def wait_layer(self, layer_id: int, timeout: float | None = None) -> bool:
@@ -131,13 +142,19 @@ class TransferHandle:
                 f"layer {layer_id} is not one of this rank's layers {self.layer_ids}"
             ) from None
         if self._layers_done <= pos and not self._finished:
-            self._wait_for(lambda: self._layers_done > pos or self._finished, timeout)
+            if self._engine is not None:
+                self._engine._help(self, pos)
+            if self._layers_done <= pos and not self._finished:
+                self._wait_layer(pos, timeout)
         return self._layers_done > pos
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the operation finished; return ``ok`` (False on timeout)."""
+        if not self._finished and self._engine is not None:
+            self._engine._help(self, len(self.layer_ids))
         if not self._finished:
-            self._wait_for(lambda: self._finished, timeout)
+            with self._cond:
+                self._cond.wait_for(lambda: self._finished, timeout)
         return self._finished and self._ok
 
     @property
@@ -177,6 +194,8 @@ class _Op:
     slots: tuple[IndexArray, IndexArray]
     fail_at: int | None = None
     inject: bool = False
+    steps: Iterator[None] | None = None
+    """The running copy (``TransferEngine._steps``); None until it starts."""
 
     @property
     def backup(self) -> bool:
@@ -217,7 +236,8 @@ class TransferEngine(abc.ABC):
         #: Worker wake-ups that ran at least one operation (diagnostics: batching).
         self.num_batches = 0
         self._pending: collections.deque[_Op] = collections.deque()
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()  # guards _pending, ids, flags; wakes the worker
+        self._exec = threading.Lock()  # held by the one thread copying (worker or a waiter)
         self._next_id = 0
         self._fail_at: int | None = None
         self._fail_armed = False
@@ -271,11 +291,12 @@ class TransferEngine(abc.ABC):
     # -- subclass hooks ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _run(self, op: _Op) -> None:
-        """Copy ``op`` layer by layer (``self.segments.by_layer``); raise on error.
+    def _steps(self, op: _Op) -> Iterator[None]:
+        """Copy ``op`` layer by layer, yielding once each layer is published; raise on error.
 
         Before each layer's copies call ``self._check_fault(op, position)``; once a layer
-        is in place call ``self._layer_ready(op, position)`` (positions in ``layer_ids``).
+        is in place call ``self._layer_ready(op, position)`` (positions in ``layer_ids``),
+        then yield. Resumed by whichever thread holds the copy role (never two at once).
         """
 
     # -- internals --------------------------------------------------------------------------
@@ -289,7 +310,8 @@ class TransferEngine(abc.ABC):
         with self._lock:
             if self._closed:
                 raise RuntimeError("transfer engine is closed")
-            op = _Op(TransferHandle(self._next_id, kind, self.layer_ids), pages, slots)
+            handle = TransferHandle(self._next_id, kind, self.layer_ids, self)
+            op = _Op(handle, pages, slots)
             self._next_id += 1
             if self._fail_armed:
                 op.inject, op.fail_at = True, self._fail_at
@@ -325,31 +347,49 @@ class TransferEngine(abc.ABC):
         op.handle._mark_layers(position + 1)
 
     def _loop(self) -> None:
-        while (batch := self._take_batch()) is not None:
-            self._run_batch(batch)
-            del batch  # keep nothing of finished operations while idle
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                if not self._pending:
+                    return  # closed and drained
+            with self._exec:
+                if self._pending:  # a waiter may have run them meanwhile
+                    self.num_batches += 1
+                    self._execute(None, 0)
 
-    def _take_batch(self) -> list[_Op] | None:
-        """Every queued operation at once (None once closed and drained)."""
-        with self._lock:
-            while not self._pending and not self._closed:
-                self._lock.wait()
-            if not self._pending:
-                return None
-            batch = list(self._pending)
-            self._pending.clear()
-            self.num_batches += 1
-            return batch
-
-    def _run_batch(self, batch: list[_Op]) -> None:
-        for op in batch:
-            if self._closed:
-                # close() was called while this op waited: ack it failed, do not copy.
-                op.handle._finish(False, "engine closed")
-                continue
+    def _help(self, handle: TransferHandle, pos: int) -> None:
+        """A thread about to wait copies instead, if no one else is copying: no hand-off."""
+        if self._exec.acquire(blocking=False):
             try:
-                self._run(op)
+                self._execute(handle, pos)
+            finally:
+                self._exec.release()
+
+    def _execute(self, until: TransferHandle | None, pos: int) -> None:
+        """Run queued operations in order (caller holds ``_exec``): all of them, or only
+        until ``until`` has layer position ``pos`` in place (``len(layer_ids)``: finished)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                op = self._pending[0]
+                if op.steps is None and self._closed:
+                    # close() was called while this op waited: ack it failed, do not copy.
+                    self._pending.popleft()
+                    op.handle._finish(False, "engine closed")
+                    continue
+            if until is not None and (until._finished or until._layers_done > pos):
+                return
+            ok, error = True, None
+            try:
+                if op.steps is None:
+                    op.steps = self._steps(op)
+                for _ in op.steps:
+                    if op.handle is until and until._layers_done > pos:
+                        return  # the rest of this op continues on the next call
             except Exception as exc:  # an op failure must never kill the worker
-                op.handle._finish(False, f"{type(exc).__name__}: {exc}")
-            else:
-                op.handle._finish(True, None)
+                ok, error = False, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._pending.popleft()
+            op.handle._finish(ok, error)

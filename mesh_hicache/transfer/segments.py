@@ -17,6 +17,7 @@ row holds a single layer part, e.g. a one-layer Mamba or indexer region).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -126,8 +127,15 @@ def index_runs(src: IndexArray, dst: IndexArray) -> Runs:
     return Runs(src[starts], dst[starts], length)
 
 
-#: Per segment: (destination addresses, source addresses, bytes: one int for all, or a list).
-MemCopies = tuple[list[int], list[int], int | list[int]]
+class MemRows(NamedTuple):
+    """An operation's copies as raw addresses, layer-major: copy ``i`` moves ``size[i]``
+    bytes from ``src[i]`` to ``dst[i]``; layer position ``p`` owns copies
+    ``[bounds[p], bounds[p + 1])``."""
+
+    dst: list[int]
+    src: list[int]
+    size: list[int]
+    bounds: list[int]
 
 
 class SegmentTable:
@@ -141,6 +149,7 @@ class SegmentTable:
             tuple(i for i, s in enumerate(segments) if s.layer_pos == pos)
             for pos in range(num_layers)
         )
+        # Segments grouped by (index kind, mergeable); ids ascending = layer-major.
         self._groups: list[tuple[bool, bool, np.ndarray]] = []
         for paged in (True, False):
             for merge in (True, False):
@@ -153,42 +162,62 @@ class SegmentTable:
         def column(name: str) -> np.ndarray:
             return np.array([getattr(s, name) for s in segments], dtype=np.int64)
 
+        # First segment of each layer position (segments are layer-major), then the end.
+        sizes = [len(ids) for ids in self.by_layer]
+        self._layer_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
         self._dev_ptr, self._dev_stride = column("device_ptr"), column("device_stride")
         self._host_ptr, self._host_stride = column("host_ptr"), column("host_stride")
         self._row_bytes = column("row_bytes")
 
-    def mem_copies(
+    def mem_rows(
         self,
         backup: bool,
         pages: tuple[IndexArray, IndexArray],
         slots: tuple[IndexArray, IndexArray],
-    ) -> list[MemCopies | None]:
-        """Per segment, its copies as raw addresses (None: the op has no rows for it).
+    ) -> MemRows:
+        """Every copy of an operation as raw addresses (valid for CPU memory only).
 
         ``pages``/``slots`` are ``(device indices, host indices)``; ``backup`` copies device
-        -> host, else host -> device. Pointers are only valid for CPU memory.
+        -> host, else host -> device. A few numpy calls per group of segments, whatever
+        the number of rows or layers.
         """
-        out: list[MemCopies | None] = [None] * len(self.segments)
+        counts = np.zeros(len(self.segments), dtype=np.int64)
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for paged, merge, ids in self._groups:
             dev_idx, host_idx = pages if paged else slots
             if dev_idx.shape[0] == 0:
                 continue
-            count: np.ndarray | None = None
+            rb = self._row_bytes[ids, None]
             if merge:
                 runs = index_runs(dev_idx, host_idx)
-                dev_idx, host_idx, count = runs.src, runs.dst, runs.length
+                dev_idx, host_idx = runs.src, runs.dst
+                size = rb * runs.length[None, :]
+            else:
+                size = np.broadcast_to(rb, (ids.shape[0], dev_idx.shape[0]))
             dev = self._dev_ptr[ids, None] + dev_idx[None, :] * self._dev_stride[ids, None]
             host = self._host_ptr[ids, None] + host_idx[None, :] * self._host_stride[ids, None]
             src, dst = (dev, host) if backup else (host, dev)
-            src_rows, dst_rows = src.tolist(), dst.tolist()
-            if count is None:
-                for j, seg in enumerate(ids.tolist()):
-                    out[seg] = (dst_rows[j], src_rows[j], int(self._row_bytes[seg]))
-            else:
-                sizes = (self._row_bytes[ids, None] * count[None, :]).tolist()
-                for j, seg in enumerate(ids.tolist()):
-                    out[seg] = (dst_rows[j], src_rows[j], sizes[j])
-        return out
+            counts[ids] = dev_idx.shape[0]
+            parts.append((ids, dst, src, size))
+        seg_bounds = np.zeros(len(self.segments) + 1, dtype=np.int64)
+        np.cumsum(counts, out=seg_bounds[1:])
+        bounds = seg_bounds[self._layer_start]
+        if not parts:
+            return MemRows([], [], [], bounds.tolist())
+        if len(parts) == 1:  # one group: its rows are already layer-major
+            _, dst, src, size = parts[0]
+            flat = (dst.ravel(), src.ravel(), size.ravel())
+        else:  # interleave the groups' rows in segment (= layer-major) order
+            rows = sorted(
+                (
+                    (int(seg), d[j], s[j], z[j])
+                    for ids, d, s, z in parts
+                    for j, seg in enumerate(ids)
+                ),
+                key=lambda r: r[0],
+            )
+            flat = tuple(np.concatenate([r[k] for r in rows]) for k in (1, 2, 3))
+        return MemRows(flat[0].tolist(), flat[1].tolist(), flat[2].tolist(), bounds.tolist())
 
     def host_runs(self, seg: int, host_idx: IndexArray) -> tuple[list[int], list[int], list[int]]:
         """Runs of consecutive host rows of segment ``seg``: (host address, first position

@@ -80,6 +80,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def on_worker() -> bool:
+    """True on an engine's worker thread (not on a waiter that copies itself)."""
+    return threading.current_thread().name.startswith("transfer-")
+
+
 def test_index_runs():
     def runs(src, dst):
         r = index_runs(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
@@ -150,7 +155,7 @@ def test_load_goes_layer_by_layer():
     for t in tensors(dev).values():
         t.zero_()
     seen: list[int] = []
-    release = threading.Event()
+    release, reached = threading.Event(), threading.Event()
     original = eng._layer_ready
 
     def observe(op, position):
@@ -162,12 +167,15 @@ def test_load_goes_layer_by_layer():
             loaded = same_bits(t[idx], before[(name, lid)][idx])
             assert loaded == (lid <= layer), (name, lid, layer)
         original(op, position)
-        if position == 0:
+        if position == 0 and on_worker():
+            reached.set()
             release.wait(timeout=30)
 
     eng._layer_ready = observe  # type: ignore[method-assign]
     handle = eng.load((pages, [0, 1, 2]), (slots, [0, 1]))
-    # The worker is held after layer 0: layer 0 is usable while later layers are not.
+    # The worker is held after layer 0: layer 0 is usable while later layers are not
+    # (and a waiter cannot copy them while the worker holds the copy role).
+    assert reached.wait(timeout=30)
     assert handle.wait_layer(0)
     assert not handle.done
     assert not handle.wait_layer(1, timeout=0.01)
@@ -244,13 +252,17 @@ def test_close_acks_pending_and_rejects_new_ops(finished):
     gate = threading.Event()
     original = eng._layer_ready
 
+    reached = threading.Event()
+
     def hold(op, position):
         original(op, position)
-        gate.wait(timeout=30)
+        if on_worker():
+            reached.set()
+            gate.wait(timeout=30)
 
     eng._layer_ready = hold  # type: ignore[method-assign]
     handles = [eng.backup(([i], [i])) for i in range(4)]
-    assert handles[0].wait_layer(0)  # op 0 is running (held after its first layer)
+    assert reached.wait(timeout=30)  # op 0 is running (held after its first layer)
     closer = threading.Thread(target=eng.close)
     closer.start()
     while not eng.closed:
@@ -306,14 +318,14 @@ def test_every_operation_acks_exactly_once_under_failures_and_close(finished):
     gen = torch.Generator().manual_seed(5)
     dev, host, eng = make()
     boom = {3, 7, 8}
-    original = eng._run
+    original = eng._steps
 
     def flaky(op):
         if op.handle.op_id in boom:
             raise OSError(f"disk on fire in op {op.handle.op_id}")
-        original(op)
+        return original(op)
 
-    eng._run = flaky  # type: ignore[method-assign]
+    eng._steps = flaky  # type: ignore[method-assign]
     handles = []
     for i in range(12):
         if i in (5, 10):
@@ -395,11 +407,14 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec):
         raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
         raw.copy_(torch.randint(-(2**15), 2**15, raw.shape, generator=gen).to(raw.dtype))
     ref_dev, ref_host = snapshot(dev), {k: v.clone() for k, v in host_views(host).items()}
-    gate, original = threading.Event(), eng._layer_ready
+    gate, reached, original = threading.Event(), threading.Event(), eng._layer_ready
+    threads = set()
 
     def hold_first(op, position):
         original(op, position)
-        if op.handle.op_id == 0:
+        threads.add(threading.current_thread().name)
+        if op.handle.op_id == 0 and on_worker():
+            reached.set()
             gate.wait(timeout=30)
 
     eng._layer_ready = hold_first  # type: ignore[method-assign]
@@ -408,8 +423,8 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec):
         n = int(torch.randint(0, 10, (1,), generator=gen))
         if i % 3 == 0:  # runs: consecutive on both sides
             d0, h0 = (
-                int(torch.randint(0, 16 - n + 1, (1,))),
-                int(torch.randint(0, 24 - n + 1, (1,))),
+                int(torch.randint(0, 16 - n + 1, (1,), generator=gen)),
+                int(torch.randint(0, 24 - n + 1, (1,), generator=gen)),
             )
             pages = (list(range(d0, d0 + n)), list(range(h0, h0 + n)))
         else:  # random, repeats across ops (later ops overwrite earlier ones' rows)
@@ -427,13 +442,14 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec):
     handles = [
         (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s) for kind, p, s in ops[:1]
     ]
-    assert handles[0].wait_layer(eng.layer_ids[0], timeout=30)  # op 0 holds the worker
+    assert reached.wait(timeout=30)  # op 0 holds the worker
     handles += [
         (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s) for kind, p, s in ops[1:]
     ]
     gate.set()
     assert all(h.wait(timeout=30) for h in handles)
-    assert eng.num_batches == 2  # op 0 alone, then the other 39 in one wake-up
+    # The 39 ops queued while op 0 ran went in the same wake-up, all on the worker.
+    assert eng.num_batches == 1 and threads == {eng._worker.name}
     eng.close()
     for kind, pages, slots in ops:
         naive_apply(ref_dev, ref_host, kind, pages, slots)
@@ -455,30 +471,60 @@ def test_bulk_row_addresses_equal_naive_row_pointers(make_spec, backup):
     hp = [7, 8, 9, 1] + torch.randperm(24, generator=gen)[:5].tolist()
     ds, hs = [0, 1, 2, 5], [3, 4, 5, 0]
     table = eng.segments
-    copies = table.mem_copies(
+    rows = table.mem_rows(
         backup,
         (np.array(dp, dtype=np.int64), np.array(hp, dtype=np.int64)),
         (np.array(ds, dtype=np.int64), np.array(hs, dtype=np.int64)),
     )
     dev_t, host_t = tensors(dev), host_views(host)
     merged_any = False
-    for seg, job in zip(table.segments, copies, strict=True):
-        layer = eng.layer_ids[seg.layer_pos]
-        d_t, h_t = dev_t[(seg.part, layer)], host_t[(seg.part, layer)]
-        idx_d, idx_h = (dp, hp) if seg.paged else (ds, hs)
-        row = d_t[0].numel() * d_t.element_size()
-        expected = []  # naive: one (dst, src, bytes) per row, from tensor views
-        for d, h in zip(idx_d, idx_h, strict=True):
-            src, dst = (d_t[d], h_t[h]) if backup else (h_t[h], d_t[d])
-            expected.append((dst.data_ptr(), src.data_ptr(), row))
-        assert job is not None
-        dsts, srcs, size = job
-        sizes = [size] * len(dsts) if isinstance(size, int) else size
-        got = []  # expand merged runs back into rows
-        for d, s, z in zip(dsts, srcs, sizes, strict=True):
+    for pos, layer in enumerate(eng.layer_ids):
+        expected = []  # naive: one (dst, src, bytes) per row, from tensor views, copy order
+        for seg in (table.segments[i] for i in table.by_layer[pos]):
+            d_t, h_t = dev_t[(seg.part, layer)], host_t[(seg.part, layer)]
+            row = d_t[0].numel() * d_t.element_size()
+            for d, h in zip(*((dp, hp) if seg.paged else (ds, hs)), strict=True):
+                src, dst = (d_t[d], h_t[h]) if backup else (h_t[h], d_t[d])
+                expected.append((dst.data_ptr(), src.data_ptr(), row))
+        got = []  # this layer's copies, merged runs expanded back into rows
+        a, b = rows.bounds[pos], rows.bounds[pos + 1]
+        for d, s, z in zip(rows.dst[a:b], rows.src[a:b], rows.size[a:b], strict=True):
+            row = next(r for dd, _, r in expected if dd == d)
             assert z % row == 0
             merged_any |= z > row
             got += [(d + i * row, s + i * row, row) for i in range(z // row)]
-        assert got == expected, (seg.part, layer)
+        assert got == expected, layer
+    assert rows.bounds[0] == 0 and rows.bounds[-1] == len(rows.dst)
     assert merged_any == (make_spec is one_layer_spec)
+    eng.close()
+
+
+def test_a_waiter_copies_itself_when_the_worker_is_not_scheduled():
+    gen = torch.Generator().manual_seed(3)
+    dev, host, eng = make()
+    randomize(dev, gen)
+    before = snapshot(dev)
+    stalled = threading.Event()
+    # A worker that never gets a core: everything must still complete on the waiters.
+    eng._worker = threading.Thread(target=stalled.wait, name="stalled", daemon=True)
+    threads = set()
+    original = eng._layer_ready
+
+    def observe(op, position):
+        threads.add(threading.current_thread().name)
+        original(op, position)
+
+    eng._layer_ready = observe  # type: ignore[method-assign]
+    backup = eng.backup(([2, 5, 6], [9, 0, 1]), ([1], [4]))
+    load = eng.load(([0, 1, 11], [9, 0, 1]), ([3], [4]))
+    assert load.wait_layer(LAYERS[2], timeout=30)  # runs the backup, then load up to layer 2
+    assert backup.done and backup.ok and not load.done
+    assert load.wait(timeout=30) and load.ack is not None and load.ack.ok
+    assert threads == {threading.current_thread().name}
+    for (name, layer), t in tensors(dev).items():
+        if name in ("conv", "ssm"):
+            assert same_bits(t[3], before[(name, layer)][1])
+        else:
+            assert same_bits(t[[0, 1, 11]], before[(name, layer)][[2, 5, 6]])
+    stalled.set()
     eng.close()
