@@ -1,0 +1,224 @@
+"""Replay a trace through the real ``HiCache`` with the engine's cache calls, no model.
+
+``Replayer.serve`` makes exactly the cache calls ``runtime.engine.Engine.serve`` makes for
+a prompt and a reply of known length: match one token short, load, finish_load,
+alloc_pages for prompt + reply, a Mamba checkpoint at the prompt's branch point (where it
+left a cached KV path that had no state) and at its last page boundary, the inserts of
+the prompt checkpoints, a checkpoint at the last page boundary reached while decoding,
+its insert, release. Only the model's compute and the tensor copies are skipped, so the
+tree, the allocators and eviction see the same sequence of decisions as in the engine
+(``tests/unit/test_replay.py`` checks that request by request on the ``tiny`` model).
+
+Pools are built from a *tiny* ``StateSpec`` (one attention and one SSM layer of one
+element each): only page and slot counts matter to the decisions, and those come from
+byte budgets and a ``ModelProfile`` (``budget_config``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
+from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
+from mesh_hicache.topology import MeshTopology
+from runtime.profiles import ModelProfile
+
+TIERS = ("device", "host", "storage")
+
+
+def tiny_spec(page_size: int, has_mamba: bool) -> StateSpec:
+    """A ``StateSpec`` with the smallest shapes: layer 0 attention, layer 1 SSM."""
+    kv = KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=1, dtype=torch.float16)
+    mamba = None
+    if has_mamba:
+        mamba = MambaSpec(
+            layer_ids=(1,),
+            conv_dim=1,
+            conv_kernel=2,
+            num_heads=1,
+            head_dim=1,
+            state_dim=1,
+            conv_dtype=torch.float16,
+            ssm_dtype=torch.float16,
+        )
+    return StateSpec(page_size=page_size, kv=kv, mamba=mamba, model_id="replay")
+
+
+def fixed_split(budget_bytes: int, page_bytes: int, state_bytes: int) -> tuple[int, int]:
+    """(pages, slots) of the largest pool that fits ``budget_bytes`` under the current
+    fixed split of ``HiCacheConfig`` (slots = ``mamba_device_slots()`` of the pages).
+
+    ``state_bytes`` 0 means no SSM (slots 0). ``ValueError`` when not even one page fits.
+    """
+
+    def slots(pages: int) -> int:
+        return HiCacheConfig(device_pages=pages).mamba_device_slots() if state_bytes else 0
+
+    def cost(pages: int) -> int:
+        return pages * page_bytes + slots(pages) * state_bytes
+
+    if budget_bytes < cost(1):
+        raise ValueError(
+            f"a budget of {budget_bytes} bytes holds not even one page ({page_bytes} B) "
+            f"and {slots(1)} states ({state_bytes} B each)"
+        )
+    lo, hi = 1, budget_bytes // page_bytes
+    while lo < hi:  # the largest pages with cost(pages) <= budget (cost is monotonic)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= budget_bytes else (lo, mid - 1)
+    return lo, slots(lo)
+
+
+def budget_config(
+    profile: ModelProfile, page_size: int, device_bytes: int, host_bytes: int = 0
+) -> HiCacheConfig:
+    """A ``HiCacheConfig`` whose L1 (and L2 when ``host_bytes`` > 0) pools fit the byte
+    budgets, split between KV pages and states by the fixed rule (``fixed_split``)."""
+    pb, sb = profile.page_bytes(page_size), profile.state_bytes
+    pages, slots = fixed_split(device_bytes, pb, sb)
+    if host_bytes <= 0:
+        return HiCacheConfig(
+            device_pages=pages, device_mamba_slots=slots, enable_host=False, transfer="cpu"
+        )
+    host_pages, host_slots = fixed_split(host_bytes, pb, sb)
+    return HiCacheConfig(
+        device_pages=pages,
+        device_mamba_slots=slots,
+        host_pages=host_pages,
+        host_mamba_slots=host_slots,
+        enable_host=True,
+        write_policy="write_through",
+        transfer="cpu",
+    )
+
+
+def budget_cache(
+    topology: MeshTopology,
+    profile: ModelProfile,
+    page_size: int,
+    device_bytes: int,
+    host_bytes: int = 0,
+) -> HiCache:
+    """A ``HiCache`` on ``topology`` with tiny tensors and the pools of ``budget_config``.
+    Collective."""
+    config = budget_config(profile, page_size, device_bytes, host_bytes)
+    return HiCache(topology, tiny_spec(page_size, profile.has_ssm), config)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the cache did for one request."""
+
+    input_tokens: int
+    reused: tuple[int, int, int]
+    """Prompt tokens reused from (device, host, storage): the engine's ``cached_*``."""
+    paged: bool
+    """False when the request did not fit in L1 and was served uncached."""
+    checkpoints: int
+    """Mamba states inserted (prompt and decode checkpoints)."""
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(self.reused)
+
+
+@dataclass(slots=True)
+class _Checkpoint:
+    num_tokens: int
+    slot: int
+
+
+@dataclass(slots=True)
+class Replayer:
+    """Drives ``cache`` as ``runtime.engine.Engine`` would, without a model.
+
+    ``flush_each``: wait for every device -> host backup after each request, so the
+    result does not depend on the copy thread's timing (the engine test does the same
+    between engine requests).
+    """
+
+    cache: HiCache
+    flush_each: bool = True
+
+    def serve(self, prompt: Sequence[int], output: Sequence[int], namespace: str = "") -> Served:
+        """The cache calls of ``Engine.serve(prompt)`` when it generates ``output``
+        (``max_new_tokens = len(output)``). Collective, like the engine."""
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if not output:
+            raise ValueError("output must not be empty (the engine generates >= 1 token)")
+        cache = self.cache
+        req = cache.match(prompt[:-1], namespace)
+        try:
+            served = self._serve(req, list(prompt), list(output))
+        finally:
+            cache.release(req)
+        if self.flush_each:
+            cache.flush()
+        return served
+
+    def _serve(self, req: CachedRequest, prompt: list[int], output: list[int]) -> Served:
+        cache = self.cache
+        ps, has_mamba, n = cache.page_size, cache.spec.has_mamba, len(prompt)
+        cache.load(req)
+        prefix = cache.finish_load(req)
+        hit, reused = req.hit, req.served
+        total_pages = -(-(n + len(output)) // ps)
+        pages: list[int] | None = None
+        try:
+            new = cache.alloc_pages(req, total_pages - prefix // ps)
+            pages = req.prefix_pages[: prefix // ps] + new
+        except CacheFull:
+            pass  # Longer than L1 can hold: the engine serves it uncached.
+        stops = set()
+        if has_mamba:
+            if prefix < hit.raw_kv_tokens < n:
+                stops.add(hit.raw_kv_tokens)
+            stops.add((n - 1) // ps * ps)
+        stops = {s for s in stops if prefix < s <= n} | {n}
+        checkpoints: list[_Checkpoint] = []
+        for stop in sorted(stops):
+            if stop % ps == 0 and has_mamba and pages is not None:
+                cp = self._checkpoint(req, stop)
+                if cp is not None:
+                    checkpoints.append(cp)
+        if pages is None:
+            return Served(n, reused, False, 0)
+        for cp in checkpoints:
+            cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
+        if not has_mamba and n >= ps:
+            m = n // ps * ps
+            cache.insert(req, prompt[:m], pages[: m // ps])
+        # Decode: the engine feeds len(output) - 1 generated tokens back (the last one is
+        # returned, not fed) and checkpoints at each page boundary it reaches, retrying
+        # the slot allocation until one succeeds and then rewriting that slot.
+        boundary: _Checkpoint | None = None
+        num_tokens = n
+        for _ in range(len(output) - 1):
+            num_tokens += 1
+            if num_tokens % ps == 0 and has_mamba:
+                if boundary is None:
+                    boundary = self._checkpoint(req, num_tokens)
+                else:
+                    boundary.num_tokens = num_tokens
+        full = prompt + output
+        inserted = len(checkpoints)
+        if boundary is not None:
+            m = boundary.num_tokens
+            cache.insert(req, full[:m], pages[: m // ps], boundary.slot)
+            inserted += 1
+        elif not has_mamba and num_tokens >= ps:
+            m = num_tokens // ps * ps
+            cache.insert(req, full[:m], pages[: m // ps])
+        return Served(n, reused, True, inserted)
+
+    def _checkpoint(self, req: CachedRequest, num_tokens: int) -> _Checkpoint | None:
+        """A device slot for the state after ``num_tokens``; None when none is free."""
+        try:
+            return _Checkpoint(num_tokens, self.cache.alloc_slot(req))
+        except CacheFull:
+            return None

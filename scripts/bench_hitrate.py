@@ -1,0 +1,229 @@
+"""Token hit rate and FLOPs saved of the cache on a trace, at the byte budget of a model.
+
+Replays a JSONL trace (``scripts/make_trace.py``; one request per line with
+``session_id``, ``input_tokens`` = the full prompt, ``output_tokens``, in arrival order)
+through the real ``HiCache`` on a one-rank CPU mesh, with the engine's cache calls and
+checkpoint placement (``runtime.replay``) and no model compute. Pools use tiny tensors;
+their page and slot counts come from the byte budgets and the model profile (bytes per
+KV page and per state checkpoint), split by ``HiCacheConfig``'s fixed rule
+(``runtime.replay.fixed_split``) until the cache takes byte budgets itself.
+
+    python scripts/make_trace.py chat --seed 0 --out chat.jsonl
+    python scripts/bench_hitrate.py chat.jsonl --profile hybrid-7b --device-bytes 2GB \\
+        --host-bytes 8GB --page-size 16 --policy lru --json chat_2g.json
+
+Byte sizes take an optional unit: ``K``/``M``/``G`` (powers of 1000, also ``KB`` etc.) or
+``KiB``/``MiB``/``GiB``. ``token_hit_rate`` is reused prompt tokens / prompt tokens (a
+fraction); ``flops_saved`` sums ``profile.flops(0, reused)`` over requests (attention
+with its per-position term, MLP and recurrent FLOPs; ``runtime.profiles``). Both are also
+reported per tier the reused prefix came from. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from typing import Any
+
+import bench_common
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from mesh_hicache.radix import eviction
+from mesh_hicache.topology import MeshTopology
+from runtime.profiles import ModelProfile, load_hf_config, profile
+from runtime.replay import TIERS, Replayer, budget_cache
+from runtime.traces import TraceRequest, read_jsonl
+
+POLICIES = ("lru", "cost")
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"1.5GiB"``, ``"123"``; ``argparse`` type."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a byte size (a number with an optional unit from "
+            f"K, M, G, T, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"byte size must be >= 0, got {text!r}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="JSONL trace (scripts/make_trace.py writes one)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--profile", default=None, help="built-in model profile (hybrid-7b)")
+    model.add_argument("--model-config", default=None, help="a Hugging Face config.json")
+    p.add_argument("--device-bytes", type=parse_bytes, required=True, help="L1 budget")
+    p.add_argument("--host-bytes", type=parse_bytes, default=0, help="L2 budget (0: L1 only)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--policy", choices=POLICIES, default="lru", help="eviction policy")
+    p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
+    p.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the result here")
+    return p
+
+
+def check_policy(name: str) -> None:
+    """``ValueError`` unless the cache can run eviction policy ``name``."""
+    if name == "lru":
+        return
+    known = sorted(
+        c.__name__
+        for c in vars(eviction).values()
+        if isinstance(c, type) and issubclass(c, eviction.EvictionPolicy)
+        if c is not eviction.EvictionPolicy
+    )
+    raise ValueError(
+        f"--policy {name}: not implemented yet: mesh_hicache has no cost-aware eviction "
+        f"policy that HiCacheConfig can select (EvictionPolicy implementations: {known})"
+    )
+
+
+def model_profile(args: argparse.Namespace) -> ModelProfile:
+    if args.model_config is not None:
+        return load_hf_config(args.model_config)
+    return profile(args.profile or "hybrid-7b")
+
+
+def one_rank_topology() -> MeshTopology:
+    """A 1x1x1 CPU mesh on a one-rank gloo group (created here if none exists)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
+    return MeshTopology.from_mesh(mesh)
+
+
+def replay(
+    args: argparse.Namespace, prof: ModelProfile, trace: list[TraceRequest]
+) -> dict[str, Any]:
+    """Replay ``trace`` and return the result numbers (see the module docstring)."""
+    cache = budget_cache(
+        one_rank_topology(), prof, args.page_size, args.device_bytes, args.host_bytes
+    )
+    cfg = cache.config
+    player = Replayer(cache)
+    input_tokens = reused_total = uncached = checkpoints = 0
+    flops_total = 0
+    tier_tokens = dict.fromkeys(TIERS, 0)
+    tier_flops = dict.fromkeys(TIERS, 0)
+    t0 = last = time.perf_counter()
+    for i, req in enumerate(trace, start=1):
+        served = player.serve(req.input_tokens, req.output_tokens)
+        input_tokens += served.input_tokens
+        flops_total += prof.flops(0, served.input_tokens)
+        pos = 0
+        for tier, n in zip(TIERS, served.reused, strict=True):
+            tier_tokens[tier] += n
+            tier_flops[tier] += prof.flops(pos, pos + n)
+            pos += n
+        reused_total += served.reused_tokens
+        uncached += not served.paged
+        checkpoints += served.checkpoints
+        now = time.perf_counter()
+        if now - last >= args.progress_s or i == len(trace):
+            last = now
+            print(
+                f"bench_hitrate: {i}/{len(trace)} requests, hit rate "
+                f"{reused_total / input_tokens:.2%}, {now - t0:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+    wall = time.perf_counter() - t0
+    stats = cache.stats()
+    cache.check_integrity()
+    cache.close()
+    pb, sb = prof.page_bytes(args.page_size), prof.state_bytes
+    host_pages = cfg.num_host_pages() if cfg.enable_host else 0
+    host_slots = cfg.mamba_host_slots() if cfg.enable_host and prof.has_ssm else 0
+    device_slots = cfg.mamba_device_slots() if prof.has_ssm else 0
+    flops_saved = sum(tier_flops.values())
+    return {
+        "token_hit_rate": reused_total / input_tokens if input_tokens else 0.0,
+        "flops_saved": flops_saved,
+        "flops_saved_fraction": flops_saved / flops_total if flops_total else 0.0,
+        "flops_total": flops_total,
+        "requests": len(trace),
+        "input_tokens": input_tokens,
+        "reused_tokens": reused_total,
+        "uncached_requests": uncached,
+        "checkpoints_inserted": checkpoints,
+        "per_tier": {
+            tier: {
+                "reused_tokens": tier_tokens[tier],
+                "token_hit_rate": tier_tokens[tier] / input_tokens if input_tokens else 0.0,
+                "flops_saved": tier_flops[tier],
+            }
+            for tier in TIERS
+        },
+        "pools": {
+            "page_bytes": pb,
+            "state_bytes": sb,
+            "device_pages": cfg.device_pages,
+            "device_slots": device_slots,
+            "device_state_fraction": device_slots
+            * sb
+            / (device_slots * sb + cfg.device_pages * pb),
+            "host_pages": host_pages,
+            "host_slots": host_slots,
+        },
+        "evictions": {
+            "device_pages": stats.evicted_device_pages,
+            "device_slots": stats.evicted_device_slots,
+            "host_pages": stats.evicted_host_pages,
+            "host_slots": stats.evicted_host_slots,
+        },
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
+        check_policy(args.policy)
+        prof = model_profile(args)
+        trace = list(read_jsonl(args.trace))
+        if args.limit > 0:
+            trace = trace[: args.limit]
+        if not trace:
+            raise ValueError(f"{args.trace}: no requests")
+        results = replay(args, prof, trace)
+    except (ValueError, OSError) as err:
+        print(f"bench_hitrate: error: {err}", file=sys.stderr)
+        return 2
+    config = dict(vars(args), profile=prof.name)
+    result = bench_common.make_result("hitrate", config, results)
+    flat = {k: v for k, v in results.items() if not isinstance(v, dict)}
+    for tier, values in results["per_tier"].items():
+        flat[f"{tier}_token_hit_rate"] = values["token_hit_rate"]
+    print(bench_common.key_value_table(flat))
+    if args.json:
+        bench_common.write_json(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""runtime.replay agrees with the real engine request by request; byte budgets -> pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from mesh_hicache.cache import HiCache
+from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.topology import MeshTopology
+from runtime.engine import Engine
+from runtime.model import HybridModel
+from runtime.model.config import preset
+from runtime.profiles import profile
+from runtime.replay import Replayer, budget_config, fixed_split, tiny_spec
+from runtime.traces import TraceRequest, make_trace, trace_shape
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def topology(single_rank_group):
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
+    return MeshTopology.from_mesh(mesh)
+
+
+# Small versions of the three shapes: short enough for the tiny model on CPU, long
+# enough to cross pages while decoding, hit, branch (agent) and evict in a 16-page L1.
+SMALL = {
+    "chat": trace_shape(
+        "chat", sessions=8, turns_mean=2.5, user_median=16, reply_median=12, max_len=40
+    ),
+    "long-replies": trace_shape(
+        "long-replies", sessions=4, turns_mean=2.5, user_median=8, reply_median=36, max_len=48
+    ),
+    "agent": trace_shape(
+        "agent",
+        sessions=4,
+        turns_mean=5.0,
+        user_median=12,
+        reply_median=6,
+        obs_median=20,
+        max_len=40,
+        system_len=56,
+        keep_observations=1,
+    ),
+}
+CONFIGS = {
+    "l1": HiCacheConfig(device_pages=16, device_mamba_slots=4, enable_host=False, transfer="cpu"),
+    "l1+l2": HiCacheConfig(
+        device_pages=16, device_mamba_slots=4, host_pages=64, host_mamba_slots=16, transfer="cpu"
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model decodes token by token: threads only add contention here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _engine_trace(
+    topology: MeshTopology, shape: str, config: HiCacheConfig
+) -> tuple[list[TraceRequest], list[tuple[int, int, int]], HiCache]:
+    """The trace with the engine's own greedy replies, and what the engine reused."""
+    model_config = preset("tiny")
+    model = HybridModel(model_config, topology, page_size=PAGE)
+    cache = HiCache(topology, model_config.state_spec(PAGE), config)
+    engine = Engine(model, cache)
+    reused: list[tuple[int, int, int]] = []
+
+    def respond(prompt: tuple[int, ...], n: int) -> list[int]:
+        engine.max_new_tokens = n
+        result = engine.serve(list(prompt))
+        cache.flush()  # what Replayer(flush_each=True) does between requests
+        reused.append((result.cached_device, result.cached_host, result.cached_storage))
+        return result.output_ids
+
+    trace = make_trace(SMALL[shape], seed=3, vocab=model_config.vocab_size, respond=respond)
+    return trace, reused, cache
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+@pytest.mark.parametrize("shape", sorted(SMALL))
+def test_replay_reuses_what_the_engine_reuses(topology, shape, config_name):
+    config = CONFIGS[config_name]
+    trace, want, engine_cache = _engine_trace(topology, shape, config)
+    replay_cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
+    player = Replayer(replay_cache)
+    got = [player.serve(r.input_tokens, r.output_tokens).reused for r in trace]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"request {i} (session {trace[i].session_id} turn {trace[i].turn})"
+    # Same calls, same decisions: the trees (pages, slots, clocks) are identical too.
+    assert replay_cache.digest() == engine_cache.digest()
+    # The comparison means something: prefixes were reused and L1 had to evict.
+    assert sum(sum(w) for w in want) > 0
+    stats = engine_cache.stats()
+    assert stats.evicted_device_pages + stats.evicted_device_slots > 0
+    if config_name == "l1+l2" and shape != "long-replies":  # (4 sessions: L2 rarely needed)
+        assert stats.hit_tokens_host > 0
+    for cache in (engine_cache, replay_cache):
+        cache.check_integrity()
+        cache.close()
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "output_len"),
+    [(15, 1), (16, 1), (17, 15), (17, 16), (20, 12), (20, 13), (20, 14), (31, 2), (33, 31)],
+)
+def test_checkpoint_boundaries_match_the_engine(topology, prompt_len, output_len):
+    # Prompts and replies that end just before, at and just after page boundaries, then
+    # the next turn: where the engine put the prompt and decode checkpoints decides it.
+    model_config = preset("tiny")
+    model = HybridModel(model_config, topology, page_size=PAGE)
+    config = CONFIGS["l1"]
+    engine_cache = HiCache(topology, model_config.state_spec(PAGE), config)
+    engine = Engine(model, engine_cache, max_new_tokens=output_len)
+    replay_cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
+    player = Replayer(replay_cache)
+    prompt = [(7 * i + 3) % model_config.vocab_size for i in range(prompt_len)]
+    for turn in range(2):
+        want = engine.serve(prompt)
+        got = player.serve(prompt, want.output_ids)
+        assert got.reused == (want.cached_device, want.cached_host, want.cached_storage), turn
+        prompt = prompt + want.output_ids + [1, 2, 3]
+    assert replay_cache.digest() == engine_cache.digest()
+    for cache in (engine_cache, replay_cache):
+        cache.close()
+
+
+def test_a_request_longer_than_l1_is_served_uncached(topology):
+    config = HiCacheConfig(device_pages=4, enable_host=False, transfer="cpu")
+    cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
+    served = Replayer(cache).serve(list(range(1, 101)), [1, 2, 3, 4])
+    assert not served.paged and served.reused_tokens == 0 and served.checkpoints == 0
+    assert cache.tree.num_nodes == 0
+    cache.close()
+
+
+def test_replay_rejects_empty_requests(topology):
+    cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), CONFIGS["l1"])
+    player = Replayer(cache)
+    with pytest.raises(ValueError, match="prompt"):
+        player.serve([], [1])
+    with pytest.raises(ValueError, match="output"):
+        player.serve([1, 2], [])
+    cache.close()
+
+
+@pytest.mark.parametrize("budget", [10**9, 2 * 10**9, 5 * 10**9, 12_345_678_901])
+def test_fixed_split_is_the_largest_pool_within_budget(budget):
+    p = profile("hybrid-7b")
+    pb, sb = p.page_bytes(PAGE), p.state_bytes
+    pages, slots = fixed_split(budget, pb, sb)
+
+    def rule(n: int) -> int:
+        return HiCacheConfig(device_pages=n).mamba_device_slots()
+
+    assert slots == rule(pages)
+    assert pages * pb + slots * sb <= budget
+    assert (pages + 1) * pb + rule(pages + 1) * sb > budget
+
+
+def test_fixed_split_without_states_and_too_small_budgets():
+    assert fixed_split(10 * 2**20, 2**20, 0) == (10, 0)
+    with pytest.raises(ValueError, match="not even one page"):
+        fixed_split(2**20, 2**20, 10**6)  # one page fits, its 8 states do not
+
+
+def test_budget_config_tiers():
+    p = profile("hybrid-7b")
+    l1 = budget_config(p, PAGE, 2 * 10**9)
+    assert not l1.enable_host
+    both = budget_config(p, PAGE, 2 * 10**9, 8 * 10**9)
+    assert both.enable_host and both.device_pages == l1.device_pages
+    assert (both.host_pages, both.host_mamba_slots) == fixed_split(
+        8 * 10**9, p.page_bytes(PAGE), p.state_bytes
+    )
+    assert both.num_host_pages() == both.host_pages
