@@ -3,7 +3,10 @@
 Rows (a whole page of one layer part, e.g. 128 KiB for 64 tokens x 8 heads x 128 dims in
 bf16; never a token) are contiguous in both pools. An operation's row addresses come in
 bulk from :class:`~mesh_hicache.transfer.segments.SegmentTable` and each row (or merged
-run) is one ``ctypes.memmove`` straight from pool to pool, which releases the GIL.
+run) is one ``ctypes.memmove`` straight from pool to pool, which releases the GIL; the
+calls run inside ``map`` (no Python loop per row), one ``map`` per layer for loads (each
+layer is published as soon as it is in place) and one for a whole backup (nothing waits
+for a backup layer by layer; all its layers are published together).
 Measured on this project's 2-core CPU box (one thread, 64 rows of 32 KiB / 128 KiB):
 ``memmove`` per row 0.76x / 0.95x of one contiguous ``memmove`` of the same bytes, numpy
 fancy indexing 0.54x / 0.41x and ``index_select`` + ``index_copy_`` on flattened
@@ -15,15 +18,11 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.transfer.engine import TransferEngine, _Op
-
-# Runs an iterator to its end in C (the copies happen inside map, with no Python loop).
-_drain = functools.partial(collections.deque, maxlen=0)
 
 
 class CpuTransferEngine(TransferEngine):
@@ -38,12 +37,23 @@ class CpuTransferEngine(TransferEngine):
 
     def _steps(self, op: _Op) -> Iterator[None]:
         dst, src, size, bounds = self.segments.mem_rows(op.backup, op.pages, op.slots)
-        move, ready, drain = ctypes.memmove, self._layer_ready, _drain
-        for pos in range(len(self.layer_ids)):
+        move, ready = ctypes.memmove, self._layer_ready
+        sink: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
+        last = len(self.layer_ids) - 1
+        if op.backup and not op.inject:
+            # Nothing waits for a backup layer by layer (it is consumed whole): one native
+            # loop over every row, layer-major, then every layer is published at once.
+            sink(map(move, dst, src, size))
+            ready(op, last)
+            yield
+            return
+        a = 0
+        for pos in range(last + 1):
             if op.inject:
                 self._check_fault(op, pos)
-            a, b = bounds[pos], bounds[pos + 1]
+            b = bounds[pos + 1]
             if a < b:
-                drain(map(move, dst[a:b], src[a:b], size[a:b]))
+                sink(map(move, dst[a:b], src[a:b], size[a:b]))  # the loop runs in C
+            a = b
             ready(op, pos)
             yield

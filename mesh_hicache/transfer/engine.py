@@ -101,13 +101,10 @@ class TransferHandle:
         self._ok = False
         self._ack: TransferAck | None = None
 
-    # worker side
-    def _mark_layers(self, count: int) -> None:
-        assert count >= self._layers_done
-        self._layers_done = count
-        if self._layer_waiters:
-            with self._cond:
-                self._cond.notify_all()
+    # copier side (the store of _layers_done itself is in TransferEngine._layer_ready)
+    def _notify_layers(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def _finish(self, ok: bool, error: str | None) -> TransferAck:
         with self._cond:
@@ -344,7 +341,10 @@ class TransferEngine(abc.ABC):
 
     def _layer_ready(self, op: _Op, position: int) -> None:
         """Layers ``[0, position]`` of ``self.layer_ids`` are in place for ``op``."""
-        op.handle._mark_layers(position + 1)
+        handle = op.handle  # inlined: this runs once per layer of every op
+        handle._layers_done = position + 1
+        if handle._layer_waiters:
+            handle._notify_layers()
 
     def _loop(self) -> None:
         while True:

@@ -138,6 +138,20 @@ class MemRows(NamedTuple):
     bounds: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Segments of one index kind and mergeability: their columns, shaped ``[G, 1]``."""
+
+    paged: bool
+    merge: bool
+    ids: np.ndarray
+    dev_ptr: np.ndarray
+    dev_stride: np.ndarray
+    host_ptr: np.ndarray
+    host_stride: np.ndarray
+    row_bytes: np.ndarray
+
+
 class SegmentTable:
     """The segments of an engine with their pointers as arrays, for bulk address math."""
 
@@ -149,25 +163,33 @@ class SegmentTable:
             tuple(i for i, s in enumerate(segments) if s.layer_pos == pos)
             for pos in range(num_layers)
         )
-        # Segments grouped by (index kind, mergeable); ids ascending = layer-major.
-        self._groups: list[tuple[bool, bool, np.ndarray]] = []
-        for paged in (True, False):
-            for merge in (True, False):
-                ids = [
-                    i for i, s in enumerate(segments) if s.paged is paged and s.mergeable is merge
-                ]
-                if ids:
-                    self._groups.append((paged, merge, np.array(ids, dtype=np.int64)))
-
-        def column(name: str) -> np.ndarray:
-            return np.array([getattr(s, name) for s in segments], dtype=np.int64)
-
         # First segment of each layer position (segments are layer-major), then the end.
         sizes = [len(ids) for ids in self.by_layer]
         self._layer_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-        self._dev_ptr, self._dev_stride = column("device_ptr"), column("device_stride")
-        self._host_ptr, self._host_stride = column("host_ptr"), column("host_stride")
-        self._row_bytes = column("row_bytes")
+        # Segments grouped by (index kind, mergeable); ids ascending = layer-major.
+        self._groups: list[_Group] = []
+        for paged in (True, False):
+            for merge in (True, False):
+                members = [s for s in segments if s.paged is paged and s.mergeable is merge]
+                if not members:
+                    continue
+
+                def col(name: str, members: list[Segment] = members) -> np.ndarray:
+                    return np.array([[getattr(s, name)] for s in members], dtype=np.int64)
+
+                ids = np.array([segments.index(s) for s in members], dtype=np.int64)
+                self._groups.append(
+                    _Group(
+                        paged,
+                        merge,
+                        ids,
+                        col("device_ptr"),
+                        col("device_stride"),
+                        col("host_ptr"),
+                        col("host_stride"),
+                        col("row_bytes"),
+                    )
+                )
 
     def mem_rows(
         self,
@@ -181,52 +203,31 @@ class SegmentTable:
         -> host, else host -> device. A few numpy calls per group of segments, whatever
         the number of rows or layers.
         """
-        counts = np.zeros(len(self.segments), dtype=np.int64)
+        counts = np.zeros(len(self.segments) + 1, dtype=np.int64)  # [0] stays 0
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        for paged, merge, ids in self._groups:
-            dev_idx, host_idx = pages if paged else slots
+        for g in self._groups:
+            dev_idx, host_idx = pages if g.paged else slots
             if dev_idx.shape[0] == 0:
                 continue
-            rb = self._row_bytes[ids, None]
-            if merge:
+            if g.merge:
                 runs = index_runs(dev_idx, host_idx)
                 dev_idx, host_idx = runs.src, runs.dst
-                size = rb * runs.length[None, :]
+                size = (g.row_bytes * runs.length).ravel()
             else:
-                size = np.broadcast_to(rb, (ids.shape[0], dev_idx.shape[0]))
-            dev = self._dev_ptr[ids, None] + dev_idx[None, :] * self._dev_stride[ids, None]
-            host = self._host_ptr[ids, None] + host_idx[None, :] * self._host_stride[ids, None]
+                size = np.repeat(g.row_bytes, dev_idx.shape[0])
+            dev = g.dev_ptr + dev_idx * g.dev_stride  # [G, rows]: one row per segment
+            host = g.host_ptr + host_idx * g.host_stride
             src, dst = (dev, host) if backup else (host, dev)
-            counts[ids] = dev_idx.shape[0]
-            parts.append((ids, dst, src, size))
-        seg_bounds = np.zeros(len(self.segments) + 1, dtype=np.int64)
-        np.cumsum(counts, out=seg_bounds[1:])
-        bounds = seg_bounds[self._layer_start]
+            counts[g.ids + 1] = dev_idx.shape[0]
+            parts.append((g.ids, dst.ravel(), src.ravel(), size))
+        bounds = np.cumsum(counts)[self._layer_start].tolist()
         if not parts:
-            return MemRows([], [], [], bounds.tolist())
+            return MemRows([], [], [], bounds)
         if len(parts) == 1:  # one group: its rows are already layer-major
             _, dst, src, size = parts[0]
-            flat = (dst.ravel(), src.ravel(), size.ravel())
-        else:  # interleave the groups' rows in segment (= layer-major) order
-            rows = sorted(
-                (
-                    (int(seg), d[j], s[j], z[j])
-                    for ids, d, s, z in parts
-                    for j, seg in enumerate(ids)
-                ),
-                key=lambda r: r[0],
-            )
-            flat = tuple(np.concatenate([r[k] for r in rows]) for k in (1, 2, 3))
-        return MemRows(flat[0].tolist(), flat[1].tolist(), flat[2].tolist(), bounds.tolist())
-
-    def host_runs(self, seg: int, host_idx: IndexArray) -> tuple[list[int], list[int], list[int]]:
-        """Runs of consecutive host rows of segment ``seg``: (host address, first position
-        in ``host_idx``, rows). Each run is one 2-D copy with pitch ``host_stride``."""
-        n = host_idx.shape[0]
-        if n == 0:
-            return [], [], []
-        breaks = np.flatnonzero(np.diff(host_idx) != 1) + 1
-        starts = np.concatenate((np.zeros(1, dtype=np.int64), breaks))
-        rows = np.diff(np.concatenate((starts, np.array([n], dtype=np.int64))))
-        addr = self._host_ptr[seg] + host_idx[starts] * self._host_stride[seg]
-        return addr.tolist(), starts.tolist(), rows.tolist()
+            return MemRows(dst.tolist(), src.tolist(), size.tolist(), bounds)
+        # Several groups: order every row by its segment (= layer-major order).
+        seg = np.concatenate([np.repeat(ids, d.shape[0] // ids.shape[0]) for ids, d, _, _ in parts])
+        order = np.argsort(seg, kind="stable")
+        dst, src, size = (np.concatenate([p[k] for p in parts])[order] for k in (1, 2, 3))
+        return MemRows(dst.tolist(), src.tolist(), size.tolist(), bounds)
