@@ -5,20 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-STORAGE_KINDS = ("none", "file", "mooncake")
-CP_KV_MODES = ("replicate", "shard")
+from mesh_hicache.choices import (
+    Choice,
+    CpKvMode,
+    PrefetchPolicy,
+    StorageKind,
+    TransferBackend,
+    WritePolicy,
+)
 
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"HiCacheConfig.{name}={value!r}; choose from {choices}")
+#: The choice fields and their enums; a plain string is accepted and stored as the member.
+_CHOICES: dict[str, type[Choice]] = {
+    "write_policy": WritePolicy,
+    "prefetch_policy": PrefetchPolicy,
+    "storage": StorageKind,
+    "cp_kv": CpKvMode,
+    "transfer": TransferBackend,
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HiCacheConfig:
-    """Configuration of one ``HiCache``; identical on every rank of the mesh."""
+    """Configuration of one ``HiCache``; identical on every rank of the mesh.
+
+    Choice fields (``write_policy``, ``prefetch_policy``, ``storage``, ``cp_kv``,
+    ``transfer``) take the enum member or its string; after construction they hold the
+    member (which still compares equal to the string).
+    """
 
     device_pages: int
     """L1 KV pages per rank (each page holds ``spec.page_size`` tokens of this rank's shard)."""
@@ -32,25 +45,25 @@ class HiCacheConfig:
     """L2 Mamba state slots; 0 = ``host_ratio * device_mamba_slots``."""
     enable_host: bool = True
     """False: L1 only (a plain radix cache); storage then needs the host tier and is refused."""
-    write_policy: str = "write_through"
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
     """When device pages are copied to host: ``write_through`` (on insert),
     ``write_through_selective`` (on a node's second hit) or ``write_back`` (on eviction)."""
-    storage: str = "none"
+    storage: StorageKind | str = StorageKind.NONE
     """L3 backend: ``none``, ``file`` (embedded default) or ``mooncake``."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the backend (``root`` for file; master address etc. for mooncake)."""
     prefetch_threshold: int = 256
     """Prefetch from L3 only when the agreed L3 hit beyond L1/L2 is at least this many tokens."""
-    prefetch_policy: str = "wait_complete"
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT_COMPLETE
     """When a prefetch stops: ``best_effort`` (take what arrived when the request is
     scheduled), ``wait_complete`` or ``timeout``."""
     prefetch_timeout_base_s: float = 1.0
     """``timeout`` policy: base seconds to wait."""
     prefetch_timeout_per_1k_s: float = 0.5
     """``timeout`` policy: extra seconds per 1,000 prefetched tokens."""
-    cp_kv: str = "replicate"
+    cp_kv: CpKvMode | str = CpKvMode.REPLICATE
     """CP KV placement: ``replicate`` (full pages on every CP rank) or ``shard``."""
-    transfer: str = "auto"
+    transfer: TransferBackend | str = TransferBackend.AUTO
     """Transfer engine: ``auto`` (cuda when available), ``cpu`` or ``cuda``."""
     tenant: str = ""
     """Tenant salt: part of every storage key; tenants never read each other's objects."""
@@ -65,16 +78,15 @@ class HiCacheConfig:
                 raise ValueError(f"HiCacheConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.host_ratio <= 0:
             raise ValueError(f"HiCacheConfig.host_ratio must be > 0, got {self.host_ratio}")
-        _choice("write_policy", self.write_policy, WRITE_POLICIES)
-        _choice("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
-        _choice("storage", self.storage, STORAGE_KINDS)
-        _choice("cp_kv", self.cp_kv, CP_KV_MODES)
-        _choice("transfer", self.transfer, ("auto", "cpu", "cuda"))
-        if self.storage != "none" and not self.enable_host:
+        for name, enum_type in _CHOICES.items():
+            member = enum_type.parse(getattr(self, name), f"HiCacheConfig.{name}")
+            object.__setattr__(self, name, member)
+        if self.storage is not StorageKind.NONE and not self.enable_host:
             raise ValueError(
-                f"HiCacheConfig.storage={self.storage!r} needs the host tier (enable_host=True)"
+                f"HiCacheConfig.storage={str(self.storage)!r} needs the host tier "
+                "(enable_host=True)"
             )
-        if self.write_policy == "write_back" and not self.enable_host:
+        if self.write_policy is WritePolicy.WRITE_BACK and not self.enable_host:
             raise ValueError("HiCacheConfig.write_policy='write_back' needs enable_host=True")
 
     def mamba_device_slots(self) -> int:

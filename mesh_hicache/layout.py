@@ -38,7 +38,6 @@ Derived rules:
 
 from __future__ import annotations
 
-import enum
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,10 +45,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from mesh_hicache.choices import CpKvMode, RegionName
 from mesh_hicache.spec import Family, MambaSpec, StateSpec
 from mesh_hicache.topology import MeshTopology, all_coordinates
-
-CP_KV_MODES: tuple[str, ...] = ("replicate", "shard")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +68,6 @@ class GlobalSlice:
         """A stable, filename-safe text form used in storage keys, e.g. ``L0-4.H2-4.T0-16``."""
         (l0, l1), (h0, h1), (t0, t1) = self.layers, self.heads, self.tokens
         return f"L{l0}-{l1}.H{h0}-{h1}.T{t0}-{t1}"
-
-
-class RegionName(str, enum.Enum):
-    """Names of the host-pool tensors. Values appear in storage keys: never rename them."""
-
-    KV = "kv"
-    INDEXER = "indexer"
-    MAMBA_CONV = "mamba_conv"
-    MAMBA_SSM = "mamba_ssm"
 
 
 REGION_FAMILY: dict[RegionName, Family] = {
@@ -163,7 +152,9 @@ class StateLayout:
     ``cp_kv="shard"`` with a page size not divisible by cp. Immutable.
     """
 
-    def __init__(self, spec: StateSpec, topology: MeshTopology, cp_kv: str = "replicate") -> None:
+    def __init__(
+        self, spec: StateSpec, topology: MeshTopology, cp_kv: CpKvMode | str = CpKvMode.REPLICATE
+    ) -> None:
         self._init(spec, topology.shape, topology.coords, cp_kv)
 
     @classmethod
@@ -172,7 +163,7 @@ class StateLayout:
         spec: StateSpec,
         shape: Sequence[int],
         coords: Sequence[int],
-        cp_kv: str = "replicate",
+        cp_kv: CpKvMode | str = CpKvMode.REPLICATE,
     ) -> StateLayout:
         """The layout of the rank at ``coords`` (pp, cp, tp) of a mesh of ``shape``."""
         if len(shape) != 3 or len(coords) != 3:
@@ -192,13 +183,12 @@ class StateLayout:
         spec: StateSpec,
         shape: tuple[int, int, int],
         coords: tuple[int, int, int],
-        cp_kv: str,
+        cp_kv: CpKvMode | str,
     ) -> None:
-        if cp_kv not in CP_KV_MODES:
-            raise ValueError(f"cp_kv={cp_kv!r} is not one of {CP_KV_MODES}")
+        mode = CpKvMode.parse(cp_kv, "cp_kv")
         pp, cp, tp = shape
         spec.check_tp(tp)
-        if cp_kv == "shard":
+        if mode is CpKvMode.SHARD:
             if spec.page_size % cp:
                 raise ValueError(
                     f"cp_kv='shard' needs page_size ({spec.page_size}) divisible by cp ({cp})"
@@ -210,9 +200,9 @@ class StateLayout:
         self.spec = spec
         self.shape = shape
         self.coords = coords
-        self.cp_kv = cp_kv
+        self.cp_kv = mode
         self.layer_ids = stage_layers(spec.num_layers, pp, coords[0])
-        self.page_size_local = spec.page_size // cp if cp_kv == "shard" else spec.page_size
+        self.page_size_local = spec.page_size // cp if mode is CpKvMode.SHARD else spec.page_size
         self._regions = tuple(self._build_regions())
 
     # -- derived quantities -----------------------------------------------------------------
@@ -275,6 +265,26 @@ class StateLayout:
     def has_region(self, name: RegionName | str) -> bool:
         return any(r.name is RegionName(name) for r in self._regions)
 
+    def held_regions(self, paged: bool | None = None) -> tuple[RegionLayout, ...]:
+        """Regions of which this rank's stage holds at least one layer, in region order.
+
+        ``paged=True``: only page-indexed ones (kv, indexer); ``False``: only the Mamba slot
+        ones; ``None``: all. These are the regions a rank copies, stores and reads.
+        """
+        return tuple(
+            r for r in self._regions if r.local_layer_ids and (paged is None or r.paged == paged)
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every held paged region (one device <-> host page copy)."""
+        return sum(r.row_bytes for r in self.held_regions(paged=True))
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one Mamba state slot over every held slot region (0 without Mamba)."""
+        return sum(r.row_bytes for r in self.held_regions(paged=False))
+
     # -- construction -----------------------------------------------------------------------
 
     def _token_split(self) -> tuple[bool, tuple[int, int]]:
@@ -282,7 +292,7 @@ class StateLayout:
         _, cp, _ = self.shape
         c = self.coords[1]
         ps = self.spec.page_size
-        if self.cp_kv == "shard":
+        if self.cp_kv is CpKvMode.SHARD:
             n = ps // cp
             return True, (c * n, (c + 1) * n)
         return False, (0, ps)
@@ -383,7 +393,7 @@ class StateLayout:
 
     def __repr__(self) -> str:
         return (
-            f"StateLayout(shape={self.shape}, coords={self.coords}, cp_kv={self.cp_kv!r}, "
+            f"StateLayout(shape={self.shape}, coords={self.coords}, cp_kv={self.cp_kv.value!r}, "
             f"layers={self.layer_ids.start}..{self.layer_ids.stop})"
         )
 
@@ -393,7 +403,7 @@ def _cp_placement(sharded: bool, token_dim: int) -> Placement:
 
 
 def all_layouts(
-    spec: StateSpec, shape: Sequence[int], cp_kv: str = "replicate"
+    spec: StateSpec, shape: Sequence[int], cp_kv: CpKvMode | str = CpKvMode.REPLICATE
 ) -> list[StateLayout]:
     """The layout of every rank of a mesh of ``shape`` (pp, cp, tp), in rank order.
 
@@ -402,6 +412,7 @@ def all_layouts(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return [StateLayout.for_coords(spec, shape, c, cp_kv) for c in all_coordinates(shape)]
+
 
 # -- tp / cp shard math shared by the cache, the model and the engine ------------------------
 
@@ -445,6 +456,14 @@ def kv_shard_owner(positions: torch.Tensor, page_size: int, cp: int) -> torch.Te
     """
     assert page_size % cp == 0
     return (positions % page_size) // (page_size // cp)
+
+
+def kv_page_tokens(page_size: int, cp: int, cp_rank: int, cp_kv: str) -> tuple[int, int]:
+    """The token-in-page range ``[start, stop)`` a cp rank keeps of every KV page."""
+    if cp_kv == "shard":
+        n = page_size // cp
+        return (cp_rank * n, (cp_rank + 1) * n)
+    return (0, page_size)
 
 
 def kv_shard_positions(num_tokens: int, page_size: int, cp: int, cp_rank: int) -> torch.Tensor:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from mesh_hicache.cache import HiCache
-from mesh_hicache.config import PREFETCH_POLICIES, WRITE_POLICIES, HiCacheConfig
+from mesh_hicache.choices import CpKvMode, PrefetchPolicy, StorageKind, WritePolicy
+from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
 from runtime.launch import LaunchError, add_mesh_args, init_mesh
@@ -48,7 +49,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--cp-kv", choices=("replicate", "shard"), default="replicate")
+    p.add_argument("--cp-kv", choices=CpKvMode.values(), default=CpKvMode.REPLICATE.value)
     p.add_argument(
         "--threads",
         type=int,
@@ -61,8 +62,14 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     """Pool sizes and policies (shared with ``scripts/bench_serving.py``)."""
     p.add_argument("--device-pages", type=int, default=64, help="L1 pages per rank")
     p.add_argument("--host-pages", type=int, default=0, help="L2 pages; 0 = 4 x device pages")
-    p.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through")
-    p.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="wait_complete")
+    p.add_argument(
+        "--write-policy", choices=WritePolicy.values(), default=WritePolicy.WRITE_THROUGH.value
+    )
+    p.add_argument(
+        "--prefetch-policy",
+        choices=PrefetchPolicy.values(),
+        default=PrefetchPolicy.WAIT_COMPLETE.value,
+    )
     p.add_argument("--prefetch-threshold", type=int, default=256)
 
 
@@ -77,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="off: recompute; device: L1 radix cache; host: L1+L2; full: L1+L2+L3",
     )
-    p.add_argument("--storage", choices=("file", "mooncake"), default="file")
+    p.add_argument("--storage", choices=StorageKind.backends(), default=StorageKind.FILE.value)
     p.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help="file backend root")
     p.add_argument("--mooncake-master", default="127.0.0.1:50051", help="master HOST:PORT")
     p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp")
@@ -107,10 +114,10 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
     """The ``HiCacheConfig`` for ``--cache`` (None for ``off``)."""
     if args.cache == "off":
         return None
-    storage, options = "none", {}
+    storage, options = StorageKind.NONE, {}
     if args.cache == "full":
-        storage = args.storage
-        if storage == "file":
+        storage = StorageKind(args.storage)
+        if storage is StorageKind.FILE:
             options = {"root": args.storage_root}
         else:
             options = {
@@ -126,7 +133,7 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         device_pages=args.device_pages,
         host_pages=args.host_pages,
         enable_host=args.cache != "device",
-        write_policy=args.write_policy if args.cache != "device" else "write_through",
+        write_policy=args.write_policy if args.cache != "device" else WritePolicy.WRITE_THROUGH,
         storage=storage,
         storage_options=options,
         prefetch_policy=args.prefetch_policy,
