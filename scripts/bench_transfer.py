@@ -1,17 +1,39 @@
-"""Transfer engine bandwidth: backup/load of N random pages vs one contiguous copy.
+"""Transfer engine bandwidth and fixed cost per operation, against a one-thread memcpy.
 
-Example: ``python scripts/bench_transfer.py --pages 128 --json out.json``. Defaults: 64-token
-pages of an 8-head x 128-dim bf16 KV layer set (4 layers), random device and host pages.
-The baseline copies the same number of bytes as one plain contiguous ``copy_`` in the same
-run, on the same device pair (CPU: memory to memory; CUDA: device <-> pinned host).
+Example: ``python scripts/bench_transfer.py --json out.json``. For each page size (default
+16 and 64 tokens of an 8-head x 128-dim bf16 KV layer set, 4 layers) and each operation
+size (64 KiB .. 64 MiB, as many whole pages as fit), ``backup`` and ``load`` of random
+device and host pages are timed against the baseline: ONE contiguous copy of the same
+bytes on one thread (CPU: ``ctypes.memmove``, torch pinned to one thread; CUDA: a
+``copy_`` between a device tensor and a torch ``pin_memory`` tensor, i.e. a plain pinned
+``cudaMemcpy``, in both directions). All functions of one size alternate within every
+repeat, so load from other processes hits them alike; medians are reported.
+
+Fixed cost per operation, on a 32-layer model with tiny rows (one page = 16 KiB): the
+latency of a one-page operation (submit to ``wait()``) minus the baseline's time for its
+bytes; the same per operation for a stream of one-page operations submitted back to back;
+and the process CPU time of a one-page operation minus the baseline's (which does not
+count waiting for a core held by other processes).
+
+``--old REV`` (default ``4301f1e``, the engine before the bulk-address rewrite) extracts
+that revision's engine with ``git show`` into a temporary folder and measures it in the
+same run, alternating with the current one (skipped with a note when git or the revision
+is missing). Nothing of it is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import bench_common
 import torch
@@ -20,6 +42,9 @@ from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools
 from mesh_hicache.spec import KVSpec, StateSpec
 from mesh_hicache.transfer import make_transfer_engine
+
+KiB, MiB = 1 << 10, 1 << 20
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(fns: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None]) -> dict:
@@ -37,94 +62,261 @@ def timed(fns: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], N
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pages", type=int, default=128, help="pages per operation")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--pool-factor", type=float, default=1.5, help="pool pages / --pages")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--json", default=None, help="write results to this path")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+def cpu_seconds(fns: dict[str, Callable[[], None]], repeats: int) -> dict:
+    """Median process CPU seconds (every thread of this process) per call, alternating.
 
+    Unlike wall time this does not count waiting for a core that other processes hold,
+    so it shows the per-operation work even on a loaded machine."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.process_time()
+            for _ in range(10):
+                fn()
+            if rep:
+                times[name].append((time.process_time() - start) / 10)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def old_engine_factory(rev: str, tmp: str) -> tuple[Callable[..., Any] | None, str]:
+    """The CPU and CUDA engine classes of ``rev`` (a factory like ``make_transfer_engine``).
+
+    Files are written under ``tmp`` as package ``old_transfer``; returns (None, reason)
+    when they cannot be extracted or imported.
+    """
+    pkg = os.path.join(tmp, "old_transfer")
+    os.makedirs(pkg, exist_ok=True)
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    for name in ("engine", "cpu", "cuda"):
+        try:
+            text = subprocess.run(
+                ["git", "-C", REPO, "show", f"{rev}:mesh_hicache/transfer/{name}.py"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError) as exc:
+            return None, f"git show {rev} failed: {exc}"
+        text = text.replace("mesh_hicache.transfer.engine", "old_transfer.engine")
+        with open(os.path.join(pkg, f"{name}.py"), "w") as f:
+            f.write(text)
+    sys.path.insert(0, tmp)
+    try:
+        cpu = importlib.import_module("old_transfer.cpu")
+    except Exception as exc:  # the old code may no longer fit today's pools
+        return None, f"old engine does not import: {type(exc).__name__}: {exc}"
+
+    def make(dev: DevicePools, host: HostPools) -> Any:
+        if dev.device.type == "cuda":
+            return importlib.import_module("old_transfer.cuda").CudaTransferEngine(dev, host)
+        return cpu.CpuTransferEngine(dev, host)
+
+    return make, ""
+
+
+def build(page_size: int, layers: int, heads: int, head_dim: int, pages: int, device: str):
     spec = StateSpec(
-        page_size=args.page_size,
+        page_size=page_size,
         kv=KVSpec(
-            layer_ids=tuple(range(args.layers)),
-            num_kv_heads=args.heads,
-            head_dim=args.head_dim,
+            layer_ids=tuple(range(layers)),
+            num_kv_heads=heads,
+            head_dim=head_dim,
             dtype=torch.bfloat16,
         ),
     )
     layout = StateLayout.for_coords(spec, (1, 1, 1), (0, 0, 0))
-    pool = int(args.pages * args.pool_factor)
-    dev = DevicePools(layout, num_pages=pool, device=device)
-    host = HostPools(layout, num_pages=pool)
-    engine = make_transfer_engine(dev, host)
-    gen = torch.Generator().manual_seed(0)
-    dev_pages = torch.randperm(pool, generator=gen)[: args.pages].tolist()
-    host_pages = torch.randperm(pool, generator=gen)[: args.pages].tolist()
+    dev = DevicePools(layout, num_pages=pages, device=device)
+    host = HostPools(layout, num_pages=pages)
+    return layout, dev, host
 
-    nbytes = args.pages * layout.region("kv").row_bytes
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+
+class Baseline:
+    """One contiguous copy of ``nbytes`` on one thread, in both directions."""
+
+    def __init__(self, nbytes: int, device: str) -> None:
+        self.cuda = device == "cuda"
+        self.dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def d2h(self, nbytes: int) -> None:
+        if self.cuda:
+            self.host[:nbytes].copy_(self.dev[:nbytes], non_blocking=True)
+        else:
+            ctypes.memmove(self.host.data_ptr(), self.dev.data_ptr(), nbytes)
+
+    def h2d(self, nbytes: int) -> None:
+        if self.cuda:
+            self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+        else:
+            ctypes.memmove(self.dev.data_ptr(), self.host.data_ptr(), nbytes)
+
+
+def bench_bandwidth(args: argparse.Namespace, device: str, old: Callable | None) -> list[dict]:
+    """Rows of (page size, op size): GB/s and ratio to the baseline per engine and direction."""
+    rows: list[dict] = []
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    for ps in args.page_sizes:
+        layout, _, _ = build(ps, args.layers, args.heads, args.head_dim, 0, device)
+        page_bytes = layout.region("kv").row_bytes
+        sizes = sorted({max(1, int(kib * KiB) // page_bytes) for kib in args.sizes_kib})
+        pool = int(max(sizes) * args.pool_factor) + 1
+        layout, dev, host = build(ps, args.layers, args.heads, args.head_dim, pool, device)
+        engines = {"new": make_transfer_engine(dev, host)}
+        if old is not None:
+            engines["old"] = old(dev, host)
+        base = Baseline(max(sizes) * page_bytes, device)
+        for pages in sizes:
+            nbytes = pages * page_bytes
+            dp = torch.randperm(pool, generator=gen)[:pages].tolist()
+            hp = torch.randperm(pool, generator=gen)[:pages].tolist()
+            fns: dict[str, Callable[[], None]] = {
+                "memcpy_d2h": lambda n=nbytes, b=base: b.d2h(n),
+                "memcpy_h2d": lambda n=nbytes, b=base: b.h2d(n),
+            }
+            for name, eng in engines.items():
+                fns[f"{name}_backup"] = lambda e=eng, d=dp, h=hp: _ok(e.backup((d, h)))
+                fns[f"{name}_load"] = lambda e=eng, d=dp, h=hp: _ok(e.load((d, h)))
+            repeats = min(args.max_repeats, max(args.repeats, args.repeats * (4 * MiB) // nbytes))
+            t = timed(fns, repeats, sync)
+            row: dict[str, Any] = {"page_size": ps, "pages": pages, "op_bytes": nbytes}
+            row["memcpy_gbps"] = nbytes / t["memcpy_d2h"] / 1e9
+            row["memcpy_h2d_gbps"] = nbytes / t["memcpy_h2d"] / 1e9
+            for name in engines:
+                for op, ref in (("backup", "memcpy_d2h"), ("load", "memcpy_h2d")):
+                    row[f"{name}_{op}_gbps"] = nbytes / t[f"{name}_{op}"] / 1e9
+                    row[f"{name}_{op}_ratio"] = t[ref] / t[f"{name}_{op}"]
+            rows.append(row)
+        for eng in engines.values():
+            eng.close()
+    return rows
 
-    def backup() -> None:
-        assert engine.backup((dev_pages, host_pages)).wait()
 
-    def load() -> None:
-        assert engine.load((dev_pages, host_pages)).wait()
+def _ok(handle: Any) -> None:
+    assert handle.wait(), handle
+
+
+def bench_fixed_cost(args: argparse.Namespace, device: str, old: Callable | None) -> dict:
+    """Per-op fixed cost on a ``--fixed-layers`` model with tiny rows (one page per op)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    layout, dev, host = build(16, args.fixed_layers, 1, 8, 256, device)
+    page_bytes = layout.region("kv").row_bytes
+    engines = {"new": make_transfer_engine(dev, host)}
+    if old is not None:
+        engines["old"] = old(dev, host)
+    base = Baseline(page_bytes, device)
+    stream = args.stream_ops
+
+    def memcpy_stream() -> None:
+        for _ in range(stream):
+            base.d2h(page_bytes)
 
     fns: dict[str, Callable[[], None]] = {
-        "backup": backup,
-        "d2h": lambda: dst.copy_(src),
-        "load": load,
+        "memcpy": lambda: base.d2h(page_bytes),
+        "memcpy_stream": memcpy_stream,
     }
-    if device == "cuda":
-        fns["h2d"] = lambda: src.copy_(dst)
-    t = timed(fns, args.repeats, sync)
-    t_backup, t_load, t_d2h = t["backup"], t["load"], t["d2h"]
-    t_h2d = t.get("h2d", t_d2h)
-    engine.close()
+    for name, eng in engines.items():
+        fns[f"{name}_backup"] = lambda e=eng: _ok(e.backup(([3], [7])))
+        fns[f"{name}_load"] = lambda e=eng: _ok(e.load(([3], [7])))
 
-    gb = nbytes / 1e9
-    result = {
-        "engine": engine.kind,
-        "device": device,
-        "pages": args.pages,
-        "page_bytes": layout.region("kv").row_bytes,
-        "bytes": nbytes,
-        "backup_gbps": gb / t_backup,
-        "load_gbps": gb / t_load,
-        "memcpy_gbps": gb / t_d2h,
-        "memcpy_h2d_gbps": gb / t_h2d,
-        "backup_ratio": (gb / t_backup) / (gb / t_d2h),
-        "load_ratio": (gb / t_load) / (gb / t_h2d),
-        "torch_threads": torch.get_num_threads(),
+        def burst(e: Any = eng) -> None:
+            handles = [e.load(([i % 256], [(7 * i) % 256])) for i in range(stream)]
+            for h in handles:
+                _ok(h)
+
+        fns[f"{name}_load_stream"] = burst
+    t = timed(fns, args.fixed_repeats, sync)
+    single = {k: f for k, f in fns.items() if k in ("memcpy",) or k.endswith(("backup", "load"))}
+    cpu = cpu_seconds(single, max(5, args.fixed_repeats // 10))
+    for eng in engines.values():
+        eng.close()
+    out: dict[str, Any] = {
+        "layers": args.fixed_layers,
+        "page_bytes": page_bytes,
+        "stream_ops": stream,
+        "memcpy_us": t["memcpy"] * 1e6,
     }
-    print(f"{'operation':<22}{'GB/s':>10}{'ratio':>8}")
-    print(f"{'backup (dev->host)':<22}{result['backup_gbps']:>10.2f}{result['backup_ratio']:>8.2f}")
-    print(f"{'load (host->dev)':<22}{result['load_gbps']:>10.2f}{result['load_ratio']:>8.2f}")
-    print(f"{'contiguous d2h':<22}{gb / t_d2h:>10.2f}{1.0:>8.2f}")
-    if device == "cuda":
-        print(f"{'contiguous h2d':<22}{gb / t_h2d:>10.2f}{1.0:>8.2f}")
-    print(
-        f"{args.pages} pages x {result['page_bytes']} B = {nbytes / 2**20:.0f} MiB, {engine.kind}"
+    for name in engines:
+        for op in ("backup", "load"):
+            out[f"{name}_{op}_op_us"] = t[f"{name}_{op}"] * 1e6
+            out[f"{name}_{op}_fixed_us"] = (t[f"{name}_{op}"] - t["memcpy"]) * 1e6
+            out[f"{name}_{op}_cpu_us"] = (cpu[f"{name}_{op}"] - cpu["memcpy"]) * 1e6
+        per_op = (t[f"{name}_load_stream"] - t["memcpy_stream"]) / stream
+        out[f"{name}_load_stream_fixed_us"] = per_op * 1e6
+    return out
+
+
+def print_tables(bandwidth: list[dict], fixed: dict, engines: list[str]) -> None:
+    cols = [
+        bench_common.Column("page_size", "ps"),
+        bench_common.Column("op_bytes", "op", lambda b: f"{b / MiB:.2f} MiB"),
+        bench_common.Column("memcpy_gbps", "memcpy GB/s", "{:.2f}"),
+    ]
+    for name in engines:
+        for op in ("backup", "load"):
+            cols.append(bench_common.Column(f"{name}_{op}_gbps", f"{name} {op} GB/s", "{:.2f}"))
+            cols.append(bench_common.Column(f"{name}_{op}_ratio", "x memcpy", "{:.2f}"))
+    print(bench_common.markdown_table(bandwidth, cols))
+    print()
+    print(bench_common.key_value_table(fixed, "{:.1f}"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--page-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64]
     )
+    parser.add_argument(
+        "--sizes-kib",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[64, 256, 1024, 4096, 16384, 65536],
+        help="operation sizes in KiB (rounded down to whole pages, at least one)",
+    )
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--pool-factor", type=float, default=1.5, help="pool pages / op pages")
+    parser.add_argument("--repeats", type=int, default=7, help="repeats at >= 4 MiB")
+    parser.add_argument("--max-repeats", type=int, default=60, help="repeats of small ops")
+    parser.add_argument("--fixed-layers", type=int, default=32)
+    parser.add_argument("--fixed-repeats", type=int, default=200)
+    parser.add_argument("--stream-ops", type=int, default=32)
+    parser.add_argument("--old", default="4301f1e", help="git revision to compare ('' = none)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--json", default=None, help="write results to this path")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the baseline is ONE thread; the CPU engine uses one worker
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        old, why = old_engine_factory(args.old, tmp) if args.old else (None, "not asked")
+        if old is None:
+            print(f"old engine skipped: {why}")
+        bandwidth = bench_bandwidth(args, device, old)
+        fixed = bench_fixed_cost(args, device, old)
+    engines = ["new"] + (["old"] if old is not None else [])
+    print_tables(bandwidth, fixed, engines)
+    big = [r for r in bandwidth if r["op_bytes"] >= 4 * MiB]
+    summary = {
+        "engine": "cuda" if device == "cuda" else "cpu",
+        "device": device,
+        "torch_threads": torch.get_num_threads(),
+        "min_ratio_at_4mib_plus": min(
+            (min(r["new_backup_ratio"], r["new_load_ratio"]) for r in big), default=None
+        ),
+        "fixed_cost_us": max(fixed["new_backup_fixed_us"], fixed["new_load_fixed_us"]),
+        "stream_fixed_cost_us": fixed["new_load_stream_fixed_us"],
+        "fixed_cpu_us": max(fixed["new_backup_cpu_us"], fixed["new_load_cpu_us"]),
+        "old_compared": old is not None,
+    }
+    print()
+    print(bench_common.key_value_table(summary, "{:.3f}"))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
-        out = bench_common.make_result("transfer", config, result)
-        out.update(result)  # the issue's flat keys (backup_gbps, ...) stay at the top too
+        results = {"summary": summary, "bandwidth": bandwidth, "fixed_cost": fixed}
+        out = bench_common.make_result("transfer", config, results)
+        out.update(summary)  # flat keys at the top too, as before
         bench_common.write_json(out, args.json)
 
 
