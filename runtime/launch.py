@@ -1,8 +1,13 @@
 """torchrun entry point: process group and mesh from ``--pp/--cp/--tp``.
 
-This is the only module that reads the launcher's environment (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``); everything below it gets its identity from the
-``MeshTopology`` built here.
+This is the only module that reads the environment (torchrun's ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``; ``MESH_HICACHE_STORAGE_SECRET_FILE``); everything below it
+gets its identity from the ``MeshTopology`` built here.
+
+Bounded stalls: every process group of the job (the world, the device mesh's sub-groups,
+the cache's agreement groups) fails a collective whose peer is dead or frozen within
+``--collective-timeout-s`` (default 60 s), so every other rank fails within that bound;
+``mesh_failure`` turns the resulting error into one line naming the cause.
 
     torchrun --nproc-per-node 8 -m runtime.launch --pp 2 --cp 2 --tp 2
     python -m runtime.launch            # one rank, no torchrun needed
@@ -18,9 +23,26 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import init_device_mesh
 
 from mesh_hicache.topology import AXIS_ORDER, MeshTopology
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+"""Seconds a collective may wait for a peer before the rank gives up (torch: 30 min)."""
+SECRET_FILE_ENV = "MESH_HICACHE_STORAGE_SECRET_FILE"
+"""Environment variable naming the storage secret file (``--storage-secret-file``)."""
+
+_MESH_ERROR_MARKERS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "gloo",
+    "nccl",
+)
 
 
 class LaunchError(ValueError):
@@ -28,6 +50,7 @@ class LaunchError(ValueError):
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    """``--pp/--cp/--tp`` and ``--collective-timeout-s``."""
     for axis in AXIS_ORDER:
         parser.add_argument(
             f"--{axis.value}",
@@ -36,21 +59,63 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
             metavar="N",
             help=f"mesh size of the {axis.value} axis",
         )
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        metavar="S",
+        help="a collective waiting longer than this for a peer (dead or frozen rank) fails "
+        "the rank",
+    )
+
+
+def env_storage_secret_file() -> str | None:
+    """The storage secret file named by ``MESH_HICACHE_STORAGE_SECRET_FILE`` (None if unset)."""
+    return os.environ.get(SECRET_FILE_ENV) or None
+
+
+def check_collective_timeout(timeout_s: float) -> None:
+    """``LaunchError`` unless ``timeout_s`` is a positive, finite number of seconds."""
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
+        raise LaunchError(f"--collective-timeout-s must be > 0 seconds, got {timeout_s!r}")
+
+
+def mesh_failure(err: BaseException) -> str | None:
+    """One line naming the cause if ``err`` is a lost peer (timeout, closed connection).
+
+    None for any other error (a bug, a bad input), which should keep its traceback.
+    """
+    text = str(err).strip()
+    distributed = isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError)
+        and any(marker in text.lower() for marker in _MESH_ERROR_MARKERS)
+    )
+    if not distributed:
+        return None
+    first = text.splitlines()[0] if text else type(err).__name__
+    if len(first) > 240:
+        first = first[:237] + "..."
+    return f"a peer rank is dead or frozen (collective failed: {first})"
 
 
 def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_mesh(pp: int, cp: int, tp: int, timeout_s: float = 300.0) -> MeshTopology:
+def init_mesh(
+    pp: int, cp: int, tp: int, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+) -> MeshTopology:
     """Initialize the process group (NCCL on CUDA, else gloo) and return the topology.
 
     Without torchrun's environment this starts a one-rank group in memory. Raises
-    ``LaunchError`` when ``pp * cp * tp`` differs from the number of launched ranks.
+    ``LaunchError`` when ``pp * cp * tp`` differs from the number of launched ranks or
+    ``timeout_s`` is not positive. A collective of any group created afterwards in this
+    process fails within ``timeout_s`` when a peer is dead or frozen (module docstring).
     """
     for name, value in (("pp", pp), ("cp", cp), ("tp", tp)):
         if value < 1:
             raise LaunchError(f"--{name} must be >= 1, got {value}")
+    check_collective_timeout(timeout_s)
     world = launch_world_size()
     if pp * cp * tp != world:
         raise LaunchError(
@@ -63,8 +128,16 @@ def init_mesh(pp: int, cp: int, tp: int, timeout_s: float = 300.0) -> MeshTopolo
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # gloo notices a silent peer one or two of its timeouts after the wait began (measured
+    # with a SIGSTOPped rank: 1.0x or 2.0x, never more), so half the bound keeps every
+    # rank within ``timeout_s``.
+    timeout = timedelta(seconds=timeout_s / 2)
+    # Groups created without an explicit timeout (device-mesh sub-groups, the cache's
+    # agreement groups) take torch's module default, 30 min: bound them too. This is the
+    # one place that sets process-wide distributed state.
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -81,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_mesh_args(parser)
     args = parser.parse_args(argv)
     try:
-        topo = init_mesh(args.pp, args.cp, args.tp)
+        topo = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
     except LaunchError as err:
         print(f"runtime.launch: error: {err}", file=sys.stderr)
         return 2

@@ -26,9 +26,17 @@ import torch.distributed as dist
 from mesh_hicache.cache import HiCache
 from mesh_hicache.choices import CpKvMode, PrefetchPolicy, StorageKind, WritePolicy
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.storage.base import load_secret
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
-from runtime.launch import LaunchError, add_mesh_args, init_mesh
+from runtime.launch import (
+    LaunchError,
+    add_mesh_args,
+    check_collective_timeout,
+    env_storage_secret_file,
+    init_mesh,
+    mesh_failure,
+)
 from runtime.model import HybridModel
 from runtime.model.config import DTYPES, PRESETS, preset
 from runtime.workloads import WORKLOADS, Turn, make_workload
@@ -103,6 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="while L3 is down, retry it this often (requests are served from L1+L2)",
     )
+    p.add_argument(
+        "--storage-max-bytes",
+        type=int,
+        default=None,
+        help="file backend: cap on the bytes under --storage-root (LRU); default unbounded",
+    )
+    p.add_argument(
+        "--storage-secret-file",
+        default=env_storage_secret_file(),
+        metavar="PATH",
+        help="seal L3 objects with a keyed MAC under this secret (default: "
+        "$MESH_HICACHE_STORAGE_SECRET_FILE; unset: CRC32 integrity only)",
+    )
     p.add_argument("--json", metavar="PATH", help="write config, per-request results, summary")
     p.add_argument("--dump-logits", action="store_true", help="add last-prompt logits to --json")
     p.add_argument("--log-every", type=int, default=8, help="a progress line every N requests")
@@ -119,6 +140,8 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         storage = StorageKind(args.storage)
         if storage is StorageKind.FILE:
             options = {"root": args.storage_root}
+            if args.storage_max_bytes is not None:
+                options["max_bytes"] = args.storage_max_bytes
         else:
             options = {
                 "master_address": args.mooncake_master,
@@ -129,6 +152,8 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
                 "local_buffer_size": args.mooncake_buffer_bytes,
             }
         options["retry_interval_s"] = args.storage_retry_s
+        if args.storage_secret_file:
+            options["secret_file"] = args.storage_secret_file
     return HiCacheConfig(
         device_pages=args.device_pages,
         host_pages=args.host_pages,
@@ -190,6 +215,52 @@ def check_args(args: argparse.Namespace) -> None:
     workload(args, config.vocab_size)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_run_flags(args)
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag for the flags that only matter later in a run
+    (logging, output, storage), so a bad one fails before any work starts."""
+    at_least = {
+        "--log-every": (args.log_every, 1),
+        "--threads": (args.threads, 0),
+        "--host-pages": (args.host_pages, 0),
+        "--prefetch-threshold": (args.prefetch_threshold, 0),
+        "--mooncake-segment-bytes": (args.mooncake_segment_bytes, 0),
+        "--mooncake-buffer-bytes": (args.mooncake_buffer_bytes, 0),
+    }
+    for flag, (value, low) in at_least.items():
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not 0 <= args.storage_retry_s < float("inf"):
+        raise ValueError(f"--storage-retry-s must be >= 0 seconds, got {args.storage_retry_s}")
+    if not args.storage_root:
+        raise ValueError("--storage-root must not be empty")
+    if args.storage_max_bytes is not None and args.storage_max_bytes < 1:
+        raise ValueError(f"--storage-max-bytes must be >= 1, got {args.storage_max_bytes}")
+    if args.storage_secret_file is not None:
+        try:
+            load_secret(secret_file=args.storage_secret_file)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--storage-secret-file: {err}") from None
+    check_collective_timeout(args.collective_timeout_s)
+    if args.json:
+        check_writable_file(args.json, "--json")
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """``ValueError`` unless ``path`` can be created or replaced (its directory exists and
+    takes a new file); nothing is left behind."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory, expected a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path!r}: directory {parent!r} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path!r}: directory {parent!r} is not writable: {err}") from None
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -297,13 +368,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         check_args(args)
-        topology = init_mesh(args.pp, args.cp, args.tp)
+        topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
     except (LaunchError, ValueError) as err:
         print(f"runtime.serve: error: {err}", file=sys.stderr)
         return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    out = run(args, topology)
+    try:
+        out = run(args, topology)
+    except Exception as err:
+        cause = mesh_failure(err)
+        if cause is None:
+            raise
+        # One line, then leave at once: the mesh is gone, so shutting down cleanly
+        # (flushes, worker joins, destroy_process_group) could block on the lost peer.
+        print(f"runtime.serve: error: rank {dist.get_rank()}: {cause}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(3)
     if out.pop("leader"):
         print(f"mesh (pp, cp, tp) = {topology.shape}, cache = {args.cache}, model = {args.model}")
         print(format_summary(out["summary"]))
