@@ -19,12 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
+from mesh_hicache.layout import kv_page_tokens, kv_shard_positions
 from runtime.model import HybridModel, SeqState
-from runtime.model.parallel import kv_shard_positions
 from runtime.workloads import Turn
 
 
@@ -68,6 +69,25 @@ class RequestResult:
         return out
 
 
+class TierTokens(NamedTuple):
+    """Prompt tokens a request reused, by the tier they came from."""
+
+    device: int
+    host: int
+    storage: int
+
+
+NO_HIT = TierTokens(0, 0, 0)
+
+
+class PagedRequest(NamedTuple):
+    """A request whose KV lives in device pages: its cache handle and its page ids
+    (the cached prefix's pages, then the ones allocated for the rest)."""
+
+    req: CachedRequest
+    pages: list[int]
+
+
 @dataclass(slots=True)
 class _Checkpoint:
     """A Mamba state written to a device slot after ``num_tokens`` tokens."""
@@ -97,7 +117,7 @@ class Engine:
         results = []
         for turn in trace:
             prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
-            result = self.serve(prompt, turn.namespace)
+            result = self.serve(prompt, turn.namespace, max_new_tokens=turn.max_new_tokens)
             result.request_id, result.session, result.turn = (
                 turn.request_id,
                 turn.session,
@@ -109,30 +129,41 @@ class Engine:
                 progress(result)
         return results
 
-    def serve(self, prompt: Sequence[int], namespace: str = "") -> RequestResult:
-        """Greedy-generate ``max_new_tokens`` after ``prompt`` (at least 1 token)."""
+    def serve(
+        self, prompt: Sequence[int], namespace: str = "", *, max_new_tokens: int | None = None
+    ) -> RequestResult:
+        """Greedy-generate ``max_new_tokens`` (default: the engine's) after ``prompt``
+        (at least 1 token). No end-of-sequence stop: exactly that many tokens."""
         if not prompt:
             raise ValueError("prompt must not be empty")
+        num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if num_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {num_new}")
         t0 = time.perf_counter()
         tokens = torch.tensor(list(prompt), dtype=torch.long)
         if self.cache is None:
             state = self.model.new_state()
             logits = self.model.prefill(tokens, state)
             ttft = time.perf_counter() - t0
-            return self._decode(prompt, state, logits, ttft, None, (0, 0, 0))
+            return self._decode(prompt, state, logits, ttft, None, NO_HIT, num_new)
         cache = self.cache
         # Match one token short: at least one prompt token is always computed, and its
         # logits start the decode.
         req = cache.match(prompt[:-1], namespace)
         try:
-            return self._serve_cached(prompt, tokens, req, t0)
+            return self._serve_cached(prompt, tokens, req, t0, num_new)
         finally:
             cache.release(req)
 
     # -- the cached path --------------------------------------------------------------------
 
     def _serve_cached(
-        self, prompt: Sequence[int], tokens: torch.Tensor, req: CachedRequest, t0: float
+        self,
+        prompt: Sequence[int],
+        tokens: torch.Tensor,
+        req: CachedRequest,
+        t0: float,
+        num_new: int,
     ) -> RequestResult:
         cache, model, ps = self.cache, self.model, self.model.page_size
         assert cache is not None
@@ -141,8 +172,9 @@ class Engine:
         prefix = cache.finish_load(req)
         if prefix == 0:
             state = model.new_state()
-        hit, cached = req.hit, req.served
-        total_pages = -(-(len(prompt) + self.max_new_tokens) // ps)
+        hit, served = req.hit, req.served
+        cached = TierTokens(int(served[0]), int(served[1]), int(served[2]))
+        total_pages = -(-(len(prompt) + num_new) // ps)
         pages: list[int] | None = None
         try:
             new = cache.alloc_pages(req, total_pages - prefix // ps)
@@ -170,14 +202,15 @@ class Engine:
                     checkpoints.append(checkpoint)
         ttft = time.perf_counter() - t0
         if pages is None:
-            return self._decode(prompt, state, logits, ttft, None, cached)
+            return self._decode(prompt, state, logits, ttft, None, cached, num_new)
         self._write_kv(state, pages, prefix, len(prompt))
         for cp in checkpoints:
             cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
         if not cache.spec.has_mamba and len(prompt) >= ps:
             n = len(prompt) // ps * ps
             cache.insert(req, prompt[:n], pages[: n // ps])
-        return self._decode(prompt, state, logits, ttft, (req, pages), cached)
+        paged = PagedRequest(req, pages)
+        return self._decode(prompt, state, logits, ttft, paged, cached, num_new)
 
     def _state_from_cache(self, req: CachedRequest) -> SeqState:
         """The model state after ``req.prefix_len`` cached tokens, layer by layer."""
@@ -222,13 +255,13 @@ class Engine:
         """Copy the K/V of positions ``[start, end)`` from ``state`` into their pages."""
         assert self.cache is not None
         model, pools, ps = self.model, self.cache.device, self.model.page_size
-        comms = model.comms
+        cp = model.comms.cp
+        # This rank's token range inside a page (all of it unless cp_kv="shard").
+        offset, _ = kv_page_tokens(ps, cp.size, cp.rank, model.cp_kv)
         if model.cp_kv == "shard":
-            positions = kv_shard_positions(end, ps, comms.cp.size, comms.cp.rank)
-            offset = comms.cp.rank * (ps // comms.cp.size)
+            positions = kv_shard_positions(end, ps, cp.size, cp.rank)
         else:
             positions = torch.arange(end)
-            offset = 0
         keep = positions >= start
         local = keep.nonzero().flatten()
         pos = positions[keep]
@@ -246,24 +279,25 @@ class Engine:
         state: SeqState,
         logits: torch.Tensor,
         ttft: float,
-        paged: tuple[CachedRequest, list[int]] | None,
-        cached: tuple[int, int, int],
+        paged: PagedRequest | None,
+        cached: TierTokens,
+        num_new: int,
     ) -> RequestResult:
         t0 = time.perf_counter()
         ps = self.model.page_size
         first_logits = logits
         output: list[int] = []
         boundary: _Checkpoint | None = None
-        for i in range(self.max_new_tokens):
+        for i in range(num_new):
             token = int(torch.argmax(logits))
             output.append(token)
-            if i == self.max_new_tokens - 1:
+            if i == num_new - 1:
                 break
             logits = self.model.decode(token, state)
             if paged is not None and self.cache is not None and state.num_tokens % ps == 0:
                 if self.cache.spec.has_mamba:
                     if boundary is None:
-                        boundary = self._checkpoint(paged[0], state)
+                        boundary = self._checkpoint(paged.req, state)
                     else:
                         self._write_state(state, boundary.slot)
                         boundary.num_tokens = state.num_tokens
@@ -282,9 +316,9 @@ class Engine:
             session=0,
             turn=0,
             prompt_len=len(prompt),
-            cached_device=cached[0],
-            cached_host=cached[1],
-            cached_storage=cached[2],
+            cached_device=cached.device,
+            cached_host=cached.host,
+            cached_storage=cached.storage,
             ttft_s=ttft,
             decode_s=time.perf_counter() - t0,
             output_ids=output,

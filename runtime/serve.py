@@ -28,6 +28,7 @@ from mesh_hicache.choices import CpKvMode, PrefetchPolicy, StorageKind, WritePol
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.storage.base import load_secret
 from mesh_hicache.topology import MeshTopology
+from runtime.checkpoints import choose_model
 from runtime.engine import Engine, RequestResult
 from runtime.launch import (
     LaunchError,
@@ -38,7 +39,8 @@ from runtime.launch import (
     mesh_failure,
 )
 from runtime.model import HybridModel
-from runtime.model.config import DTYPES, PRESETS, preset
+from runtime.model.config import DTYPES, PRESETS
+from runtime.prompts import load_prompts, load_tokenizer
 from runtime.workloads import WORKLOADS, Turn, make_workload
 
 CACHE_MODES = ("off", "device", "host", "full")
@@ -47,7 +49,17 @@ DEFAULT_STORAGE_ROOT = os.path.join(tempfile.gettempdir(), "mesh_hicache_l3")
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Model and workload flags (shared with ``scripts/bench_serving.py``)."""
-    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help=f"a preset {sorted(PRESETS)} or a Hugging Face checkpoint directory "
+        "(config.json + *.safetensors; runtime.checkpoints lists the architectures)",
+    )
+    p.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help="serve these requests instead of --workload (see runtime/prompts.py)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--workload", choices=WORKLOADS, default="multiturn")
     p.add_argument("--sessions", type=int, default=8)
@@ -168,9 +180,16 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
 
 
 def build_model(args: argparse.Namespace, topology: MeshTopology) -> HybridModel:
-    """The model the flags describe, on this rank's shard. Collective."""
-    config = preset(args.model, dtype=DTYPES[args.dtype], seed=args.seed)
-    return HybridModel(config, topology, cp_kv=args.cp_kv, page_size=args.page_size)
+    """The model the flags describe, on this rank's shard (a checkpoint: its slices only).
+    Collective."""
+    choice = choose_model(args.model, DTYPES[args.dtype], args.seed)
+    return HybridModel(
+        choice.config,
+        topology,
+        cp_kv=args.cp_kv,
+        page_size=args.page_size,
+        weights=choice.weights,
+    )
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[Turn]:
@@ -206,7 +225,11 @@ def serve_trace(
 
 def check_args(args: argparse.Namespace) -> None:
     """``ValueError`` for any bad flag, before a process group exists."""
-    config = preset(args.model, dtype=DTYPES[args.dtype])
+    choice = choose_model(args.model, DTYPES[args.dtype])
+    config = choice.config
+    if args.prompts:
+        tokenizer_path = choice.checkpoint.tokenizer_path if choice.checkpoint else None
+        load_prompts(args.prompts, config.vocab_size, load_tokenizer(tokenizer_path))
     config.check_mesh(
         tp=args.tp, cp=args.cp, pp=args.pp, page_size=args.page_size, cp_kv=args.cp_kv
     )
@@ -326,7 +349,12 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     config = model.config
     cfg = cache_config(args)
     cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
-    trace = workload(args, config.vocab_size)
+    checkpoint = choose_model(args.model, config.dtype).checkpoint
+    tokenizer = load_tokenizer(checkpoint.tokenizer_path if checkpoint else None)
+    if args.prompts:
+        trace = load_prompts(args.prompts, config.vocab_size, tokenizer)
+    else:
+        trace = workload(args, config.vocab_size)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)
     leader = topology.coords == (0, 0, 0)
     log = logging.getLogger("runtime.serve")
@@ -356,11 +384,18 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     summary = summarize(results, wall)
     return {
         "config": {k: v for k, v in vars(args).items()},
-        "requests": [r.as_json() for r in results],
+        "requests": [_with_text(r.as_json(), tokenizer) for r in results],
         "summary": summary,
         "cache_stats": stats,
         "leader": leader,
     }
+
+
+def _with_text(request: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    # Decoded output next to the ids when the checkpoint has a tokenizer.
+    if tokenizer is not None:
+        request["output_text"] = tokenizer.decode(request["output_ids"])
+    return request
 
 
 def main(argv: Sequence[str] | None = None) -> int:

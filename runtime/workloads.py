@@ -24,6 +24,8 @@ class Turn:
     turn: int
     user_tokens: tuple[int, ...]
     namespace: str = ""
+    max_new_tokens: int | None = None
+    """Tokens to generate for this turn (None: the engine's default)."""
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:

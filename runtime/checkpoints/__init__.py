@@ -9,6 +9,12 @@ Supported: ``GraniteMoeHybridForCausalLM`` (dense and MoE), ``BambaForCausalLM``
 
 from __future__ import annotations
 
-from runtime.checkpoints.loader import SUPPORTED, Checkpoint, load_checkpoint
+from runtime.checkpoints.loader import (
+    SUPPORTED,
+    Checkpoint,
+    ModelChoice,
+    choose_model,
+    load_checkpoint,
+)
 
-__all__ = ["SUPPORTED", "Checkpoint", "load_checkpoint"]
+__all__ = ["SUPPORTED", "Checkpoint", "ModelChoice", "choose_model", "load_checkpoint"]

@@ -83,7 +83,10 @@ class SafetensorsFiles:
     """The ``*.safetensors`` files of a checkpoint directory and which holds which tensor."""
 
     def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError as err:  # pragma: no cover - the hf extra installs it
+            raise ValueError("checkpoints need safetensors: pip install -e '.[hf]'") from err
 
         index = directory / "model.safetensors.index.json"
         files: dict[str, Path] = {}

@@ -22,7 +22,8 @@ from runtime.checkpoints.base import (
     file_digest,
     parse_dtype,
 )
-from runtime.model.config import ModelConfig
+from runtime.model.config import PRESETS, ModelConfig, preset
+from runtime.model.weights import WeightSource
 
 ADAPTERS: dict[str, Adapter] = {
     a.architecture: a for a in (granitemoehybrid.ADAPTER, bamba.ADAPTER, nemotron_h.ADAPTER)
@@ -76,3 +77,25 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Check
         tokenizer_path=tokenizer if tokenizer.is_file() else None,
         eos_token_id=eos if isinstance(eos, int) else None,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """What a ``--model`` flag names: a preset (seeded weights) or a checkpoint."""
+
+    config: ModelConfig
+    weights: WeightSource | None
+    """None: the preset's seeded weights."""
+    checkpoint: Checkpoint | None
+
+
+def choose_model(model: str, dtype: torch.dtype, seed: int = 0) -> ModelChoice:
+    """``model`` is a preset name (``tiny``, ``small``) or a checkpoint directory."""
+    if model in PRESETS:
+        return ModelChoice(preset(model, dtype=dtype, seed=seed), None, None)
+    if not Path(model).is_dir():
+        raise ValueError(
+            f"--model {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory"
+        )
+    ckpt = load_checkpoint(model, dtype)
+    return ModelChoice(ckpt.config, ckpt.weights, ckpt)
