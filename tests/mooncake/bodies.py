@@ -14,7 +14,13 @@ import torch
 
 from mesh_hicache.layout import GlobalSlice
 from mesh_hicache.storage.guard import GuardedStorage
-from mesh_hicache.storage.keys import KeyNamespace, StorageKey, encode_object, tensor_bytes
+from mesh_hicache.storage.keys import (
+    KeyNamespace,
+    ObjectCodec,
+    StorageKey,
+    encode_object,
+    tensor_bytes,
+)
 from mesh_hicache.storage.mooncake import MooncakeStorage
 
 _STATE: dict[str, Any] = {}
@@ -194,6 +200,28 @@ def corrupt_objects(tag: str) -> dict[str, Any]:
     dst = [torch.zeros_like(row) for _ in range(5)]
     hits = st.get([key("kv", i, tag) for i in range(5)], dst)
     return {"codes": codes, "hits": hits, "good_equal": _bits_equal(dst[0], row)}
+
+
+def sealed_objects(tag: str) -> dict[str, Any]:
+    """With a secret set (the open storage's), forgeries written with the raw ``put``: a
+    CRC-valid object, one sealed under another tenant's secret, one whose payload was
+    changed after sealing; then a real put. Read all back."""
+    st: MooncakeStorage = storage()
+    raw = st._store
+    row = make_pools(4)["kv"][0]
+    payload = bytes(tensor_bytes(row))
+    names = [key("kv", i, tag).to_str() for i in range(4)]
+    tampered = bytearray(st.codec.encode_object(names[2], payload))
+    tampered[-5] ^= 0x40
+    codes = [
+        raw.put(names[0], encode_object(names[0], payload)),
+        raw.put(names[1], ObjectCodec(b"another tenant's secret").encode_object(names[1], payload)),
+        raw.put(names[2], bytes(tampered)),
+    ]
+    put_ok = st.put_one(key("kv", 3, tag), row)
+    dst = [torch.zeros_like(row) for _ in range(4)]
+    hits = st.get([key("kv", i, tag) for i in range(4)], dst)
+    return {"codes": codes, "put": put_ok, "hits": hits, "equal": _bits_equal(dst[3], row)}
 
 
 # -- degraded mode ---------------------------------------------------------------------------

@@ -45,6 +45,21 @@ def test_corrupt_short_and_foreign_objects_are_misses(worker: NetnsWorker) -> No
     assert grown == {"checksum": 1, "foreign": 1, "length": 2}
 
 
+def test_with_a_secret_forged_and_foreign_objects_are_misses(
+    mooncake_services: MooncakeServices,
+) -> None:
+    w = NetnsWorker(mooncake_services, timeout=60)
+    try:
+        w.call(bodies.open_storage, mooncake_services.master_address, secret=b"k" * 32)
+        out = w.call(bodies.sealed_objects, "sealed")
+        kinds = w.call(bodies.stats)["corrupt_by_kind"]
+    finally:
+        w.close()
+    assert out["codes"] == [0, 0, 0] and out["put"]
+    assert out["hits"] == [False, False, False, True] and out["equal"]
+    assert kinds == {"unsealed": 1, "mac": 2}
+
+
 def test_second_process_reads_what_the_first_put(
     mooncake_services: MooncakeServices, worker: NetnsWorker
 ) -> None:
