@@ -1,6 +1,14 @@
 """mesh_hicache: a hierarchical prefix cache for hybrid models on a pp x cp x tp DeviceMesh."""
 
-from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit
+from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit, ServedTokens
+from mesh_hicache.choices import (
+    CpKvMode,
+    PrefetchPolicy,
+    RegionName,
+    StorageKind,
+    TransferBackend,
+    WritePolicy,
+)
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
@@ -12,6 +20,7 @@ __all__ = [
     "CacheStats",
     "CachedRequest",
     "Consensus",
+    "CpKvMode",
     "Family",
     "HiCache",
     "HiCacheConfig",
@@ -20,7 +29,13 @@ __all__ = [
     "MambaSpec",
     "MeshAxis",
     "MeshTopology",
+    "PrefetchPolicy",
     "PrefixHit",
+    "RegionName",
+    "ServedTokens",
     "StateSpec",
+    "StorageKind",
+    "TransferBackend",
+    "WritePolicy",
 ]
 __version__ = "0.1.0"

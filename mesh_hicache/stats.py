@@ -61,6 +61,82 @@ class CacheStats:
         with self.lock:
             self.prefetch[outcome] += 1
 
+    # The record_* methods are the only writers of the counters; each takes ``lock``, so
+    # the storage threads and the scheduler may record concurrently with a snapshot.
+
+    def record_request(
+        self,
+        prompt_tokens: int,
+        served: tuple[int, int, int],
+        raw_kv_tokens: int,
+        mamba_hit: str | None,
+    ) -> None:
+        """One finished lookup: ``served`` = prompt tokens reused from (device, host,
+        storage); ``mamba_hit`` = the tier the state came from (``"device"``/``"host"``),
+        None when no state was reused."""
+        assert mamba_hit in (None, "device", "host")
+        device, host, storage = served
+        with self.lock:
+            self.requests += 1
+            self.prompt_tokens += prompt_tokens
+            self.hit_tokens_device += device
+            self.hit_tokens_host += host
+            self.hit_tokens_storage += storage
+            self.raw_kv_hit_tokens += raw_kv_tokens
+            if mamba_hit == "host":
+                self.mamba_hits_host += 1
+            elif mamba_hit == "device":
+                self.mamba_hits_device += 1
+
+    def record_eviction(
+        self, device_pages: int, host_pages: int, device_slots: int, host_slots: int
+    ) -> None:
+        """Pages and Mamba slots freed by eviction, per tier."""
+        with self.lock:
+            self.evicted_device_pages += device_pages
+            self.evicted_host_pages += host_pages
+            self.evicted_device_slots += device_slots
+            self.evicted_host_slots += host_slots
+
+    def record_backup(self, ok: bool, num_bytes: int) -> None:
+        """One device -> host copy acknowledged on every rank (``ok``) or failed somewhere."""
+        with self.lock:
+            if ok:
+                self.bytes_device_to_host += num_bytes
+            else:
+                self.backup_failures += 1
+
+    def record_skip(self, what: str) -> None:
+        """A backup (``"backup"``) or prefetch (``"prefetch"``) skipped: host tier full."""
+        assert what in ("backup", "prefetch")
+        with self.lock:
+            if what == "backup":
+                self.backup_skipped_host_full += 1
+            else:
+                self.prefetch_skipped_host_full += 1
+
+    def record_load(self, ok: bool, num_bytes: int, seconds: float) -> None:
+        """One host -> device load: its bytes and wall time, or a failure."""
+        with self.lock:
+            if ok:
+                self.bytes_host_to_device += num_bytes
+                self.seconds_host_to_device += seconds
+            else:
+                self.load_failures += 1
+
+    def record_put(self, objects: int, dropped: int, num_bytes: int) -> None:
+        """One batched L3 write: objects stored, objects the backend dropped, bytes stored."""
+        with self.lock:
+            self.storage_put_objects += objects
+            self.storage_put_dropped += dropped
+            self.bytes_host_to_storage += num_bytes
+
+    def record_get(self, misses: int, num_bytes: int) -> None:
+        """One batched L3 read: objects that missed, bytes that arrived."""
+        with self.lock:
+            self.storage_get_misses += misses
+            self.bytes_storage_to_host += num_bytes
+
     @property
     def hit_tokens(self) -> int:
         return self.hit_tokens_device + self.hit_tokens_host + self.hit_tokens_storage

@@ -1,4 +1,4 @@
-"""Shared fixtures: a one-rank gloo process group for single-process tests."""
+"""Shared fixtures: a one-rank gloo process group and its 1x1x1 mesh topology."""
 
 from __future__ import annotations
 
@@ -14,3 +14,14 @@ def single_rank_group():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)
     return dist.group.WORLD
+
+
+@pytest.fixture(scope="session")
+def one_rank_topology(single_rank_group):
+    """The shared 1x1x1 (pp, cp, tp) CPU mesh topology of the single-process tests."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mesh_hicache.topology import MeshTopology
+
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
+    return MeshTopology.from_mesh(mesh)

@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.radix import pack_tokens
+from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
 from tests.distributed.harness import run_on_mesh
-from tests.unit.test_cache_support import (
+from tests.unit.cache_support import (
     PS,
     RaisingBackend,
     hashes_of,
@@ -63,9 +64,11 @@ def _workload_body(
         integrity = False
     digests.append(cache.digest())
     stats = cache.stats()
-    assert cache.ctl.storage is not None
-    backend = cache.ctl.storage.stats
-    regions = [(r.name.value, r.global_slice.tag(), r.is_writer) for r in cache.ctl._regions(None)]
+    storage = internals(cache).storage
+    assert storage is not None
+    backend = storage.stats
+    layout = internals(cache).layout
+    regions = [(r.name.value, r.global_slice.tag(), r.is_writer) for r in layout.held_regions()]
     cache.close()
     dist.barrier()
 
@@ -81,8 +84,9 @@ def _workload_body(
         mismatches += got.mismatches
         l3_tokens += got.served[2]
     second.flush()
-    assert second.ctl.storage is not None
-    puts = backend.puts + second.ctl.storage.stats.puts
+    second_storage = internals(second).storage
+    assert second_storage is not None
+    puts = backend.puts + second_storage.stats.puts
     try:
         second.check_integrity()
     except RuntimeError:
@@ -152,7 +156,7 @@ def _faults_body(mesh: Any, root: str) -> dict[str, Any]:
 
     # 1. The host allocation of a backup fails on one rank: skipped on every rank.
     cache = HiCache(topo, spec, make_config(root))
-    host = cache.ctl.host
+    host = internals(cache).host
     assert host is not None
     if me == FAULTY:
         host.page_allocator.can_allocate = lambda n: False  # type: ignore[method-assign]
@@ -172,9 +176,10 @@ def _faults_body(mesh: Any, root: str) -> dict[str, Any]:
 
     # 2. One rank's storage reads fail: the agreed prefetch result is nothing, no wrong data.
     cache = HiCache(topo, spec, make_config(root))
-    assert cache.ctl.storage is not None
+    storage = internals(cache).storage
+    assert storage is not None
     if me == FAULTY:
-        cache.ctl.storage.get = lambda keys, dst: [False] * len(keys)  # type: ignore[method-assign]
+        storage.get = lambda keys, dst: [False] * len(keys)  # type: ignore[method-assign]
     got = serve(cache, p, checkpoints=(2, 3))
     out["read_fail"] = (got.hit.storage_tokens, got.prefix, got.served)
     out["mismatches"] += got.mismatches
@@ -201,7 +206,7 @@ def _faults_body(mesh: Any, root: str) -> dict[str, Any]:
 
     # 4. The host reservation of a prefetch fails on one rank: no prefetch on any rank.
     cache = HiCache(topo, spec, make_config(root))
-    host = cache.ctl.host
+    host = internals(cache).host
     assert host is not None
     if me == FAULTY:
         host.page_allocator.can_allocate = lambda n: False  # type: ignore[method-assign]
@@ -219,10 +224,11 @@ def _faults_body(mesh: Any, root: str) -> dict[str, Any]:
     # 5. One rank's backend raises on every call: L3 reads as a miss everywhere, the cache
     #    keeps serving from L1 + L2.
     cache = HiCache(topo, spec, make_config(root))
-    assert cache.ctl.storage is not None
+    storage = internals(cache).storage
+    assert storage is not None
     if me == FAULTY:
-        cache.ctl.storage._backend = RaisingBackend()  # type: ignore[attr-defined]
-        cache.ctl.storage._connect = None  # type: ignore[attr-defined]
+        storage._backend = RaisingBackend()  # type: ignore[attr-defined]
+        storage._connect = None  # type: ignore[attr-defined]
     first = serve(cache, p, checkpoints=(2, 3))
     again = serve(cache, p, checkpoints=(2, 3))
     out["raising"] = (first.hit.storage_tokens, first.prefix, again.served)
@@ -236,7 +242,7 @@ def _faults_body(mesh: Any, root: str) -> dict[str, Any]:
 
 def _node(cache: HiCache, tokens: list[int]):
     """The tree node ending at ``tokens`` (read-only walk: no clock or hit count change)."""
-    node = cache.tree._roots[""]
+    node = internals(cache).tree._roots[""]
     pos = 0
     while pos < len(tokens):
         node = node.children[pack_tokens(tokens[pos : pos + PS])]

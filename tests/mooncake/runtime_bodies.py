@@ -99,6 +99,7 @@ def _rank_serve(mesh: Any, argv: list[str]) -> dict[str, Any]:
     """One rank of ``serve_mesh``: the ``runtime.serve`` loop, stats taken before close."""
     from mesh_hicache.cache import HiCache
     from mesh_hicache.radix import RadixKey
+    from mesh_hicache.testing import internals
     from mesh_hicache.topology import MeshTopology
     from runtime.engine import Engine
     from runtime.serve import build_model, build_parser, cache_config, workload
@@ -114,8 +115,8 @@ def _rank_serve(mesh: Any, argv: list[str]) -> dict[str, Any]:
     try:
         results = engine.run(trace)
         cache.flush()  # every backup written on every rank before we look at the store
-        ctl = cache.ctl
-        guard = ctl.storage
+        inner = internals(cache)
+        guard = inner.storage
         assert guard is not None
         backend = getattr(guard, "backend", None)
         assert isinstance(backend, MooncakeStorage), f"not a Mooncake backend: {backend!r}"
@@ -125,11 +126,11 @@ def _rank_serve(mesh: Any, argv: list[str]) -> dict[str, Any]:
         for history in engine.histories.values():
             hashes.update(RadixKey(tuple(history)).page_hashes(args.page_size))
         regions = {}
-        for region in ctl.layout.regions:
+        for region in inner.layout.regions:
             if not region.local_layer_ids:
                 continue
             keys = [
-                StorageKey(ctl.namespace, region.name.value, h, region.global_slice)
+                StorageKey(inner.namespace, region.name.value, h, region.global_slice)
                 for h in sorted(hashes)
             ]
             regions[region.name.value] = {

@@ -1,5 +1,6 @@
-"""Shared helpers of the HiCache tests (no tests here): a small hybrid spec, recognizable
-page/state contents, a request driver shaped like ``runtime/engine.py``, file counting.
+"""Shared helpers of the HiCache tests (a helper module, not collected): a small hybrid
+spec, recognizable page/state contents, a request driver shaped like ``runtime/engine.py``,
+file counting. Internals are reached through ``mesh_hicache.testing.internals`` only.
 
 Contents are a pure function of (page hash, layer, this rank's global slice), so any
 rank can check bit-exactly what it reads back, whichever tier or rank wrote it.
@@ -21,6 +22,7 @@ from mesh_hicache.layout import RegionName
 from mesh_hicache.radix import RadixKey
 from mesh_hicache.spec import Family, KVSpec, MambaSpec, StateSpec
 from mesh_hicache.storage.base import StorageBackend
+from mesh_hicache.testing import internals
 
 PS = 4
 """Tokens per page."""
@@ -69,7 +71,7 @@ def expected_kv(cache: HiCache, page_hash: bytes, layer: int) -> tuple[torch.Ten
     kv = cache.spec.kv
     assert kv is not None
     full = _gen(page_hash + b"kv%d" % layer, (2, PS, kv.num_kv_heads, kv.head_dim), kv.dtype)
-    sl = cache.ctl.layout.region(RegionName.KV).global_slice
+    sl = internals(cache).layout.region(RegionName.KV).global_slice
     part = full[:, sl.tokens[0] : sl.tokens[1], sl.heads[0] : sl.heads[1]]
     return part[0], part[1]
 
@@ -82,7 +84,7 @@ def expected_state(
     assert m is not None
     conv = _gen(last_hash + b"conv%d" % layer, m.conv_shape, m.conv_dtype)
     ssm = _gen(last_hash + b"ssm%d" % layer, m.ssm_shape, m.ssm_dtype)
-    h0, h1 = cache.ctl.layout.region(RegionName.MAMBA_SSM).global_slice.heads
+    h0, h1 = internals(cache).layout.region(RegionName.MAMBA_SSM).global_slice.heads
     per_head = m.conv_dim // m.num_heads
     return conv[h0 * per_head : h1 * per_head], ssm[h0:h1]
 
@@ -212,21 +214,23 @@ def serve(
 
 def evict_everything(cache: HiCache) -> None:
     """Evict every tier until the tree is empty (no write-back: tests the accounting)."""
-    ctl, tree = cache.ctl, cache.tree
+    inner = internals(cache)
+    alloc, tree = inner.allocator, inner.tree
     for _ in range(100):
         before = tree.num_nodes
-        ctl._free(tree.evict_device(10**6))
-        ctl._free(tree.evict_mamba_device(10**6))
-        ctl._free(tree.evict_host(10**6))
-        ctl._free(tree.evict_mamba_host(10**6))
+        alloc.reclaim(tree.evict_device(10**6))
+        alloc.reclaim(tree.evict_mamba_device(10**6))
+        alloc.reclaim(tree.evict_host(10**6))
+        alloc.reclaim(tree.evict_mamba_host(10**6))
         if tree.num_nodes == 0 or tree.num_nodes == before:
             return
 
 
 def pools_fully_free(cache: HiCache) -> bool:
     allocators = [cache.device.page_allocator, cache.device.slot_allocator]
-    if cache.ctl.host is not None:
-        allocators += [cache.ctl.host.page_allocator, cache.ctl.host.slot_allocator]
+    host = internals(cache).host
+    if host is not None:
+        allocators += [host.page_allocator, host.slot_allocator]
     return all(a.num_free == a.capacity for a in allocators)
 
 

@@ -3,23 +3,21 @@ corrupt/foreign objects, aborted requests, and leak checks after a random run.""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import threading
 from pathlib import Path
 
 import pytest
-from torch.distributed.device_mesh import init_device_mesh
 
 from mesh_hicache.cache import HiCache
-from mesh_hicache.config import PREFETCH_POLICIES
+from mesh_hicache.choices import PrefetchPolicy
 from mesh_hicache.layout import RegionName
 from mesh_hicache.radix import pack_tokens
 from mesh_hicache.storage.keys import HEADER_SIZE
-from mesh_hicache.topology import MeshTopology
+from mesh_hicache.testing import internals
 from mesh_hicache.transfer.engine import TransferKind
-from tests.unit.test_cache_support import (
+from tests.unit.cache_support import (
     PS,
     RaisingBackend,
     count_mismatches,
@@ -40,18 +38,12 @@ B = list(range(200, 212))
 C = list(range(300, 312))
 
 
-@pytest.fixture(scope="module")
-def topo(single_rank_group) -> MeshTopology:
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
-    return MeshTopology.from_mesh(mesh)
-
-
 @pytest.fixture
-def make_cache(topo):
+def make_cache(one_rank_topology):
     caches: list[HiCache] = []
 
     def build(root: Path | None = None, spec=None, **overrides) -> HiCache:
-        cache = HiCache(topo, spec or make_spec(), make_config(root, **overrides))
+        cache = HiCache(one_rank_topology, spec or make_spec(), make_config(root, **overrides))
         caches.append(cache)
         return cache
 
@@ -62,7 +54,7 @@ def make_cache(topo):
 
 def node_of(cache: HiCache, tokens: list[int]):
     """The tree node ending at ``tokens`` (without touching hit counts or the clock)."""
-    node = cache.tree._roots[""]
+    node = internals(cache).tree._roots[""]
     pos = 0
     while pos < len(tokens):
         node = node.children[pack_tokens(tokens[pos : pos + PS])]
@@ -74,7 +66,7 @@ def node_of(cache: HiCache, tokens: list[int]):
 def host_matches(cache: HiCache, tokens: list[int]) -> bool:
     """Whether the node's host pages and host state hold exactly the expected bits."""
     node = node_of(cache, tokens)
-    host = cache.ctl.host
+    host = internals(cache).host
     assert host is not None and node.host_indices is not None
     assert node.mamba_host_slot is not None
     kv_region = host.region(RegionName.KV)
@@ -98,11 +90,11 @@ def host_matches(cache: HiCache, tokens: list[int]) -> bool:
 
 
 def kv_page_bytes(cache: HiCache) -> int:
-    return cache.ctl._kv_bytes(1)
+    return internals(cache).layout.page_bytes
 
 
 def slot_bytes(cache: HiCache) -> int:
-    return cache.ctl._slot_bytes(1)
+    return internals(cache).layout.slot_bytes
 
 
 # -- write policies ----------------------------------------------------------------------
@@ -186,8 +178,9 @@ def test_failed_load_is_a_miss_and_frees_its_reservation(make_cache):
     for t in (A, B, C):
         serve(cache, t)
     cache.flush()
-    assert cache.ctl.engine is not None
-    cache.ctl.engine.fail_next()
+    engine = internals(cache).engine
+    assert engine is not None
+    engine.fail_next()
     got = serve(cache, A, abort="alloc")
     assert got.prefix == 0 and got.served == (0, 0, 0)
     assert cache.stats().load_failures == 1
@@ -199,24 +192,25 @@ def test_alloc_waits_for_in_flight_backups_instead_of_failing(make_cache):
     """A node whose backup is still in flight is locked; an allocation that needs its
     pages waits for the backup (agreed flush) instead of raising CacheFull."""
     cache = make_cache(write_policy="write_through")
-    engine = cache.ctl.engine
+    ctl = internals(cache).controller
+    engine = ctl.engine
     assert engine is not None
     gate = threading.Event()
-    run = engine._run
+    steps = engine._steps
 
     def gated(op):
         if op.handle.kind is TransferKind.BACKUP:
             gate.wait()
-        run(op)
+        return steps(op)
 
-    flush = cache.ctl.flush
+    flush = ctl.flush
 
     def open_then_flush():
         gate.set()
         flush()
 
-    engine._run = gated  # type: ignore[method-assign]
-    cache.ctl.flush = open_then_flush  # type: ignore[method-assign]
+    engine._steps = gated  # type: ignore[method-assign]
+    ctl.flush = open_then_flush  # type: ignore[method-assign]
     serve(cache, A)
     serve(cache, B)
     got = serve(cache, C)  # A's pages are needed while A's backup is still held back
@@ -229,7 +223,7 @@ def test_alloc_waits_for_in_flight_backups_instead_of_failing(make_cache):
 # -- L3 ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", PREFETCH_POLICIES)
+@pytest.mark.parametrize("policy", PrefetchPolicy.values())
 def test_l3_round_trip_into_a_new_cache(make_cache, tmp_path, policy):
     root = tmp_path / "l3"
     first = make_cache(root)
@@ -242,8 +236,9 @@ def test_l3_round_trip_into_a_new_cache(make_cache, tmp_path, policy):
     assert req.hit.storage_tokens == 12 and req.hit.device_tokens == req.hit.host_tokens == 0
     if policy == "best_effort":
         # best_effort takes what arrived when load() runs; let it all arrive first.
-        assert req._prefetch is not None
-        req._prefetch.finished.wait()
+        prefetch = internals(cache).prefetch(req)
+        assert prefetch is not None
+        prefetch.finished.wait()
     cache.load(req)
     assert cache.finish_load(req) == 12 and req.served == (0, 0, 12)
     assert count_mismatches(cache, req, hashes_of(A)) == 0
@@ -375,12 +370,12 @@ def test_aborted_requests_leak_nothing(make_cache, tmp_path, abort):
     hit = serve(cache, B, abort=abort).hit  # from L1 or L2 (A's load may evict it)
     assert hit.device_tokens + hit.host_tokens == 12
     cache.flush()
-    assert not cache._open
+    assert internals(cache).num_open == 0
     cache.check_integrity()
     outcomes = cache.stats().prefetch
     assert outcomes["aborted"] == (abort == "match") and outcomes["completed"] == (abort != "match")
     evict_everything(cache)
-    assert cache.tree.num_nodes == 0 and pools_fully_free(cache)
+    assert internals(cache).tree.num_nodes == 0 and pools_fully_free(cache)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
@@ -408,7 +403,7 @@ def test_random_run_leaks_nothing(make_cache, tmp_path, policy):
     stats = cache.stats()
     assert stats.evicted_device_pages > 0 and stats.hit_tokens > 0
     evict_everything(cache)
-    assert cache.tree.num_nodes == 0 and pools_fully_free(cache)
+    assert internals(cache).tree.num_nodes == 0 and pools_fully_free(cache)
 
 
 # -- a failing backend -------------------------------------------------------------------
@@ -416,7 +411,7 @@ def test_random_run_leaks_nothing(make_cache, tmp_path, policy):
 
 def test_raising_backend_degrades_to_l1_l2(make_cache, tmp_path):
     cache = make_cache(tmp_path / "l3", device_mamba_slots=2, write_policy="write_through")
-    storage = cache.ctl.storage
+    storage = internals(cache).storage
     assert storage is not None
     storage._backend = RaisingBackend()  # GuardedStorage's wrapped backend
     storage._connect = None
@@ -472,14 +467,13 @@ def test_failed_backup_drops_its_host_copies_under_an_open_request(make_cache):
     # half-written host copies without tripping over the request's protection.
     cache = make_cache(write_policy="write_back")
     serve(cache, A)
-    cache.ctl.config = dataclasses.replace(cache.ctl.config, write_policy="write_through")
-    cache.config = cache.ctl.config
+    internals(cache).set_write_policy("write_through")
     longer = A + list(range(500, 504))
     req = cache.match(longer)
     cache.load(req)
     assert cache.finish_load(req) == 12
     pages = req.prefix_pages + cache.alloc_pages(req, 1)
-    cache.ctl.engine.fail_next()
+    internals(cache).engine.fail_next()
     cache.insert(req, longer, pages)
     cache.flush()  # consumes the failed backup while req holds A's path
     assert node_of(cache, A).host_indices is None
@@ -487,3 +481,53 @@ def test_failed_backup_drops_its_host_copies_under_an_open_request(make_cache):
     assert cache.stats().backup_failures == 1
     cache.release(req)
     cache.check_integrity()
+
+
+# -- misuse ------------------------------------------------------------------------------
+
+
+def test_finish_load_before_load_or_twice_raises(make_cache):
+    cache = make_cache()
+    req = cache.match(A)
+    with pytest.raises(RuntimeError, match="before load"):
+        cache.finish_load(req)
+    cache.load(req)
+    assert cache.finish_load(req) == 0
+    with pytest.raises(RuntimeError, match="twice"):
+        cache.finish_load(req)
+    cache.release(req)
+    cache.check_integrity()
+
+
+_UNDER_O = """
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from mesh_hicache import HiCache, MeshTopology
+from tests.unit.cache_support import make_config, make_spec
+assert not __debug__
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
+cache = HiCache(MeshTopology.from_mesh(mesh), make_spec(), make_config())
+req = cache.match(list(range(8)))
+try:
+    cache.finish_load(req)
+except RuntimeError as e:
+    print("raised:", e)
+cache.close()
+"""
+
+
+def test_finish_load_misuse_raises_under_python_O():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", _UNDER_O],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "raised: finish_load(req) called before load(req)" in out.stdout

@@ -1,0 +1,244 @@
+"""The backup queue (device -> host -> L3) and the one owner of the write policy.
+
+Write policy (DESIGN.md section 7), decided here and nowhere else:
+
+- ``write_through``: :meth:`BackupQueue.on_insert` backs up the inserted path;
+- ``write_through_selective``: :meth:`BackupQueue.on_match` backs up nodes on their
+  second hit;
+- ``write_back``: :meth:`BackupQueue.write_back_hook` hands eviction a callback that
+  copies a device victim to host (and waits for the copy) before it goes.
+
+A backup reserves host pages/slots (agreed), records them in the tree at once, and keeps
+its nodes locked (device copy stays) and host-protected (host copy stays) through a
+:class:`~mesh_hicache.tiers.lease.Lease` until the copy is consumed; with L3, the host
+protection lasts until the L3 write is consumed too. A failed copy drops its host copies
+everywhere (they never became valid).
+
+Thread story: the scheduler thread only. Copies run on the transfer engine's worker and
+L3 writes on the storage tier's writer thread; this module only submits them and reads
+their completion.
+
+Agreements: :meth:`BackupQueue.step` consumes finished work the same number of times on
+every rank: MIN over the count of leading finished copies, MIN over their success flags,
+then (with L3) MIN over the count of leading finished writes; always in that order. A
+backup's host reservation agrees through ``alloc``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from mesh_hicache.choices import WritePolicy
+from mesh_hicache.consensus import Consensus
+from mesh_hicache.layout import StateLayout
+from mesh_hicache.radix import RadixTree, TreeNode
+from mesh_hicache.stats import CacheStats
+from mesh_hicache.tiers.alloc import TierAllocator
+from mesh_hicache.tiers.l3 import StorageTier
+from mesh_hicache.tiers.lease import Lease
+from mesh_hicache.transfer import TransferEngine, TransferHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Backup:
+    """A device -> host copy in flight; ``lease`` locks and host-protects ``nodes``."""
+
+    handle: TransferHandle
+    nodes: list[TreeNode]
+    lease: Lease
+    host_pages: list[int]
+    host_slots: list[int]
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class _StorageWrite:
+    """An L3 write in flight; ``lease`` keeps its nodes host-protected until consumed."""
+
+    future: Future[int]
+    lease: Lease
+
+
+class BackupQueue:
+    """Device -> host backups and their L3 writes, in FIFO order; see the module docstring.
+
+    ``engine`` is None without a host tier: then nothing is ever backed up.
+    """
+
+    def __init__(
+        self,
+        policy: WritePolicy,
+        tree: RadixTree,
+        engine: TransferEngine | None,
+        alloc: TierAllocator,
+        l3: StorageTier | None,
+        layout: StateLayout,
+        agree: Consensus,
+        stats: CacheStats,
+    ) -> None:
+        self.policy = policy
+        """The write policy; tests may switch it between requests (same on every rank)."""
+        self._tree = tree
+        self._engine = engine
+        self._alloc = alloc
+        self._l3 = l3
+        self._layout = layout
+        self._agree = agree
+        self._stats = stats
+        self._backups: deque[_Backup] = deque()
+        self._writes: deque[_StorageWrite] = deque()
+
+    # -- the write policy -------------------------------------------------------------------
+
+    def on_match(self, nodes: Sequence[TreeNode]) -> None:
+        """A request matched ``nodes`` (hit counts already advanced). Collective."""
+        if self.policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            self.backup_nodes([n for n in nodes if n.hit_count >= 2])
+
+    def on_insert(self, node: TreeNode) -> None:
+        """A request inserted the path ending at ``node``. Collective."""
+        if self.policy is WritePolicy.WRITE_THROUGH:
+            self.backup_nodes(self._tree.nodes_on_path(node))
+
+    def write_back_hook(self) -> Callable[[TreeNode], None] | None:
+        """The callback eviction offers device victims without a host copy, or None."""
+        return self._write_back if self.policy is WritePolicy.WRITE_BACK else None
+
+    def _write_back(self, node: TreeNode) -> None:
+        self._backup([node], wait=True)
+
+    # -- queueing ---------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether copies or L3 writes are still queued (same on every rank)."""
+        return bool(self._backups or self._writes)
+
+    def backup_nodes(self, nodes: Sequence[TreeNode]) -> None:
+        """Queue device -> host copies of those ``nodes`` that lack a host copy (agreed)."""
+        if self._engine is None:
+            return
+        todo = [
+            n
+            for n in nodes
+            if n.device_indices is not None and (n.host_indices is None or _needs_state_backup(n))
+        ]
+        self._backup(todo, wait=False)
+
+    def _backup(self, nodes: list[TreeNode], wait: bool) -> None:
+        assert self._engine is not None
+        kv_nodes = [n for n in nodes if n.host_indices is None]
+        state_nodes = [n for n in nodes if _needs_state_backup(n)]
+        num_pages = sum(n.num_pages for n in kv_nodes)
+        if num_pages == 0 and not state_nodes:
+            return
+        got = self._alloc.try_alloc_host(num_pages, len(state_nodes))
+        if got is None:
+            self._stats.record_skip("backup")
+            return
+        dev_pages: list[int] = []
+        pos = 0
+        for n in kv_nodes:
+            assert n.device_indices is not None
+            dev_pages.extend(n.device_indices)
+            self._tree.set_host(n, got.pages[pos : pos + n.num_pages])
+            pos += n.num_pages
+        dev_slots = []
+        for n, slot in zip(state_nodes, got.slots, strict=True):
+            assert n.mamba_device_slot is not None
+            dev_slots.append(n.mamba_device_slot)
+            self._tree.set_mamba_host(n, slot)
+        held = list(dict.fromkeys(kv_nodes + state_nodes))
+        lease = Lease(self._tree)
+        for n in held:
+            lease.hold(n)
+        handle = self._engine.backup((dev_pages, got.pages), (dev_slots, got.slots))
+        nbytes = len(dev_pages) * self._layout.page_bytes + len(dev_slots) * self._layout.slot_bytes
+        self._backups.append(_Backup(handle, held, lease, got.pages, got.slots, nbytes))
+        if wait:
+            self.step(block=True)
+
+    # -- consuming finished work (agreed) ---------------------------------------------------
+
+    def step(self, block: bool = False) -> None:
+        """Consume finished backups and L3 writes, the same number on every rank.
+
+        ``block=True`` first waits until this rank's queued work is done.
+        """
+        if block:
+            for b in self._backups:
+                b.handle.wait()
+        local = 0
+        for b in self._backups:
+            if not b.handle.done:
+                break
+            local += 1
+        count = self._agree.min(local)
+        done = [self._backups.popleft() for _ in range(count)]
+        oks = self._agree.min_list([int(b.handle.ok) for b in done])
+        for b, ok in zip(done, oks, strict=True):
+            self._finish_backup(b, bool(ok))
+        if self._l3 is None:
+            return
+        if block:
+            for w in self._writes:
+                w.future.exception()
+        local = 0
+        for w in self._writes:
+            if not w.future.done():
+                break
+            local += 1
+        for _ in range(self._agree.min(local)):
+            self._writes.popleft().lease.release_host()
+
+    def flush(self) -> None:
+        """Wait for every backup and L3 write on every rank and consume them. Collective."""
+        while self.pending:
+            self.step(block=True)
+
+    def _finish_backup(self, b: _Backup, ok: bool) -> None:
+        b.lease.unlock()
+        self._stats.record_backup(ok, b.num_bytes)
+        if not ok:
+            logger.warning(
+                "device -> host backup failed (%s); its host copies are dropped",
+                b.handle.error or "on another rank",
+            )
+            self._undo(b)
+            return
+        if self._l3 is not None:
+            self._writes.append(_StorageWrite(self._l3.write(self._holders(b)), b.lease))
+            return
+        b.lease.release_host()
+
+    def _holders(self, b: _Backup) -> list[TreeNode]:
+        """The nodes holding ``b``'s host pages or slots now: a node split while the copy
+        was in flight holds them in two parts, both on the path of the original."""
+        pages, slots = set(b.host_pages), set(b.host_slots)
+        found: dict[int, TreeNode] = {}
+        for n in b.nodes:
+            for m in self._tree.nodes_on_path(n):
+                kv = m.host_indices is not None and set(m.host_indices) <= pages
+                if kv or m.mamba_host_slot in slots:
+                    found[m.id] = m
+        return list(found.values())
+
+    def _undo(self, b: _Backup) -> None:
+        """A backup failed on some rank: drop its host copies everywhere."""
+        b.lease.release_host()
+        pages, slots = set(b.host_pages), set(b.host_slots)
+        for m in self._holders(b):
+            if m.host_indices is not None and set(m.host_indices) <= pages:
+                self._alloc.free_host(pages=self._tree.clear_host(m, invalid=True))
+            if m.mamba_host_slot in slots:
+                self._alloc.free_host(slots=[self._tree.clear_mamba_host(m)])
+
+
+def _needs_state_backup(n: TreeNode) -> bool:
+    return n.mamba_device_slot is not None and n.mamba_host_slot is None

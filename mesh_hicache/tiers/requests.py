@@ -1,0 +1,243 @@
+"""Requests: one request's path through the tiers, and the lock protocol it follows.
+
+Per request, on every rank, in the same order: :meth:`RequestFlow.match` (lock and
+host-protect the usable prefix, maybe start an L3 prefetch), :meth:`~RequestFlow.load`
+(finish the prefetch, re-match, start the host -> device load), :meth:`~RequestFlow.finish_load`,
+``alloc_pages``/``alloc_slot``, :meth:`~RequestFlow.insert` (the lock moves to the
+inserted node; the host protection stays where the prefix was loaded from) and
+:meth:`~RequestFlow.release` (drops both, cancels what is in flight, frees what the
+request still owns). Everything a request holds is in its :class:`RequestLease`.
+
+Thread story: the scheduler thread only. Agreements: those of the tiers it calls, in
+call order (each call is collective); no agreement of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mesh_hicache.radix import RadixKey, RadixTree
+from mesh_hicache.stats import CacheStats
+from mesh_hicache.tiers.alloc import CacheFull, TierAllocator
+from mesh_hicache.tiers.backup import BackupQueue
+from mesh_hicache.tiers.l3 import Prefetch, StorageTier
+from mesh_hicache.tiers.lease import Lease
+from mesh_hicache.tiers.load import Loader, PendingLoad
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Tokens of a prompt found per tier at match time (agreed on every rank)."""
+
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    """Tokens being prefetched from L3 (0 when below the prefetch threshold)."""
+    raw_kv_tokens: int
+    """KV matched in L1/L2 before the Mamba rule cut it back to a state boundary."""
+
+    @property
+    def total(self) -> int:
+        return self.device_tokens + self.host_tokens + self.storage_tokens
+
+
+class ServedTokens(NamedTuple):
+    """Tokens of a served prefix by the tier they came from (sums to ``prefix_len``)."""
+
+    device: int
+    host: int
+    storage: int
+    """Prefetched from L3 (then loaded through L2)."""
+
+
+class RequestLease(Lease):
+    """Everything one request holds: its protections in the tree, the device pages and
+    slots it allocated and the tree did not take yet, and its prefetch and load in flight.
+    Mutated only by :class:`RequestFlow`; callers read it through ``CachedRequest``."""
+
+    __slots__ = (
+        "finished_load",
+        "hit",
+        "key",
+        "load",
+        "mamba_slot",
+        "owned_pages",
+        "owned_slots",
+        "prefetch",
+        "prefetched",
+        "prefix_len",
+        "prefix_pages",
+        "released",
+        "served",
+    )
+
+    def __init__(self, tree: RadixTree, key: RadixKey) -> None:
+        super().__init__(tree)
+        self.key = key
+        self.hit = PrefixHit(0, 0, 0, 0)
+        self.prefix_len = 0
+        self.prefix_pages: list[int] = []
+        self.mamba_slot: int | None = None
+        self.served = ServedTokens(0, 0, 0)
+        self.prefetch: Prefetch | None = None
+        self.prefetched = 0
+        """Tokens the prefetch put on host (counted as served from storage)."""
+        self.load: PendingLoad | None = None
+        self.finished_load = False
+        self.owned_pages: list[int] = []
+        self.owned_slots: list[int] = []
+        self.released = False
+
+    def wait_layer(self, layer_id: int) -> bool:
+        return self.load.wait_layer(layer_id) if self.load is not None else True
+
+
+class RequestFlow:
+    """The per-request operations of the cache; see the module docstring."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        alloc: TierAllocator,
+        backups: BackupQueue,
+        loader: Loader,
+        l3: StorageTier | None,
+        stats: CacheStats,
+    ) -> None:
+        self._tree = tree
+        self._alloc = alloc
+        self._backups = backups
+        self._loader = loader
+        self._l3 = l3
+        self._stats = stats
+        self._page_size = tree.page_size
+        self._has_mamba = tree.has_mamba
+        self._open: dict[int, RequestLease] = {}
+
+    @property
+    def open_leases(self) -> list[RequestLease]:
+        """Leases of requests matched and not yet released."""
+        return list(self._open.values())
+
+    def match(self, key: RadixKey) -> RequestLease:
+        """Look ``key`` up in every tier; hold the usable prefix; maybe start a prefetch."""
+        self._backups.step()
+        m = self._tree.match_prefix(key)
+        self._backups.on_match(m.nodes)
+        lease = RequestLease(self._tree, key)
+        lease.hold(m.last_node)
+        if self._l3 is not None:
+            start = m.usable_len // self._page_size
+            lease.prefetch = self._l3.match(key, start, m.last_node.last_hash)
+        storage = lease.prefetch.num_pages * self._page_size if lease.prefetch else 0
+        lease.hit = PrefixHit(m.device_len, m.host_len, storage, m.raw_kv_len)
+        self._open[id(lease)] = lease
+        return lease
+
+    def load(self, lease: RequestLease) -> None:
+        """Finish the prefetch (its stop policy) and start loading the prefix to device."""
+        if lease.prefetch is not None:
+            assert self._l3 is not None
+            job, lease.prefetch = lease.prefetch, None
+            lease.prefetched = self._l3.finish_prefetch(job)
+        # Again (the prefetch or other requests may have changed the tree), uncounted.
+        m = self._tree.match_prefix(lease.key, touch=False)
+        lease.move(m.last_node, host=True)
+        host_nodes = [n for n in m.nodes if n.device_indices is None]
+        state_node = None
+        if self._has_mamba and m.mamba_on_device is None and m.mamba_on_host is not None:
+            state_node = m.last_node
+        try:
+            load = self._loader.start(host_nodes, state_node)
+        except CacheFull:
+            lease.prefix_len, lease.prefix_pages, lease.mamba_slot = 0, [], None
+            lease.load = PendingLoad(None)
+            return
+        lease.load = load
+        lease.prefix_len = m.usable_len
+        lease.prefix_pages = list(m.device_indices) + list(load.pages)
+        lease.mamba_slot = m.mamba_on_device if m.mamba_on_device is not None else load.slot
+
+    def finish_load(self, lease: RequestLease) -> int:
+        """Wait for the load, agree on its success, count the request; the prefix length.
+
+        ``RuntimeError`` before ``load`` or when called twice (not an assert: a caller's
+        mistake must not pass silently under ``python -O``).
+        """
+        load = lease.load
+        if load is None:
+            when = "twice" if lease.finished_load else "before load(req)"
+            raise RuntimeError(f"finish_load(req) called {when}")
+        lease.load = None
+        lease.finished_load = True
+        ok = self._loader.finish(load)
+        if not ok:
+            lease.prefix_len, lease.prefix_pages, lease.mamba_slot = 0, [], None
+        loaded = load.num_tokens if ok else 0
+        storage = min(lease.prefetched, loaded)
+        lease.served = ServedTokens(lease.prefix_len - loaded, loaded - storage, storage)
+        mamba_hit = None
+        if lease.prefix_len and self._has_mamba:
+            mamba_hit = "host" if load.slot is not None else "device"
+        self._stats.record_request(
+            len(lease.key), lease.served, lease.hit.raw_kv_tokens, mamba_hit
+        )
+        return lease.prefix_len
+
+    def alloc_pages(self, lease: RequestLease, n: int) -> list[int]:
+        """``n`` device pages owned by ``lease`` until inserted. May raise ``CacheFull``."""
+        pages = self._alloc.alloc_device_pages(n)
+        lease.owned_pages.extend(pages)
+        return pages
+
+    def alloc_slot(self, lease: RequestLease) -> int:
+        """A device Mamba slot owned by ``lease`` until inserted. May raise ``CacheFull``."""
+        slot = self._alloc.alloc_device_slot()
+        lease.owned_slots.append(slot)
+        return slot
+
+    def insert(
+        self,
+        lease: RequestLease,
+        key: RadixKey,
+        pages: Sequence[int],
+        mamba_slot: int | None,
+    ) -> int:
+        """Insert ``key`` with its device ``pages`` (and state slot); apply the write
+        policy. Pages and slot the tree already had are freed if ``lease`` owns them.
+        Returns the pages that were already cached."""
+        result = self._tree.insert(key, device_indices=list(pages), mamba_device_slot=mamba_slot)
+        # Pages the tree took now belong to it; owned pages it did not take duplicate
+        # pages it already had, so they go back to the allocator.
+        owned = set(lease.owned_pages)
+        duplicates = {p for p in result.unused_device_indices if p in owned}
+        self._alloc.free_device(pages=sorted(duplicates))
+        done = set(pages)
+        lease.owned_pages = [p for p in lease.owned_pages if p not in done]
+        if mamba_slot is not None and mamba_slot in lease.owned_slots:
+            lease.owned_slots.remove(mamba_slot)
+            if not result.mamba_device_taken:
+                self._alloc.free_device(slots=[mamba_slot])
+        lease.move(result.node, host=False)
+        self._backups.on_insert(result.node)
+        return result.num_existing_pages
+
+    def release(self, lease: RequestLease) -> None:
+        """Finish the request (done or aborted): cancel what is in flight, drop its
+        protections, free what it still owns. Idempotent."""
+        if lease.released:
+            return
+        lease.released = True
+        if lease.prefetch is not None:
+            assert self._l3 is not None
+            self._l3.cancel_prefetch(lease.prefetch)
+            lease.prefetch = None
+        if lease.load is not None:
+            self.finish_load(lease)
+        lease.release()
+        self._alloc.free_device(lease.owned_pages, lease.owned_slots)
+        lease.owned_pages, lease.owned_slots = [], []
+        self._open.pop(id(lease), None)
+        self._backups.step()
