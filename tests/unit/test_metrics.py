@@ -76,11 +76,8 @@ def test_every_numeric_stats_field_is_exported() -> None:
         assert values.count(expected) >= 1, f"CacheStats.{name} is not exported"
 
 
-def test_topology_labels(single_rank_group) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
-    assert topology_labels(MeshTopology.from_mesh(mesh)) == {"pp": "0", "cp": "0", "tp": "0"}
+def test_topology_labels(one_rank_topology: MeshTopology) -> None:
+    assert topology_labels(one_rank_topology) == {"pp": "0", "cp": "0", "tp": "0"}
 
 
 @needs_prometheus

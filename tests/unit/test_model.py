@@ -136,13 +136,8 @@ def test_bf16_and_gelu_variants_run() -> None:
     assert torch.isfinite(gelu.prefill(tokens, gelu.new_state())).all()
 
 
-def test_one_rank_mesh_equals_no_mesh(single_rank_group, model: HybridModel) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from mesh_hicache.topology import MeshTopology
-
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
-    meshed = HybridModel(preset("tiny"), MeshTopology.from_mesh(mesh), cp_kv="shard")
+def test_one_rank_mesh_equals_no_mesh(one_rank_topology, model: HybridModel) -> None:
+    meshed = HybridModel(preset("tiny"), one_rank_topology, cp_kv="shard")
     assert meshed.local_layers == tuple(range(8))
     assert meshed.state_spec == preset("tiny").state_spec(16)
     tokens = _tokens(21)
