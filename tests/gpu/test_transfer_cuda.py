@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools, cupy_cuda_available
 from mesh_hicache.transfer import TransferKind, make_transfer_engine
-from tests.unit.test_transfer import LAYERS, randomize, same_bits, snapshot, spec, tensors
+from mesh_hicache.transfer.cuda import CudaTransferEngine
+from tests.unit.test_transfer import (
+    LAYERS,
+    host_views,
+    naive_apply,
+    one_layer_spec,
+    randomize,
+    same_bits,
+    snapshot,
+    spec,
+    tensors,
+)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -64,4 +77,101 @@ def test_cuda_failure_injection_acks_once():
     good = eng.backup(([0], [0]))
     assert good.wait()
     assert [(h.ack.ok if h.ack else None) for h in (bad, good)] == [False, True]
+    eng.close()
+
+
+def make_cuda(make_spec=spec, staging_bytes=None):
+    layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
+    dev = DevicePools(layout, num_pages=16, num_slots=6, device="cuda")
+    host = HostPools(layout, num_pages=24, num_slots=8)
+    if staging_bytes is None:
+        return dev, host, make_transfer_engine(dev, host, kind="cuda")
+    return dev, host, CudaTransferEngine(dev, host, staging_bytes=staging_bytes)
+
+
+def random_ops(gen, count=30):
+    ops = []
+    for i in range(count):
+        n = int(torch.randint(0, 10, (1,), generator=gen))
+        if i % 3 == 0:  # consecutive host pages: one 2-D DMA per run
+            d0 = int(torch.randint(0, 16 - n + 1, (1,), generator=gen))
+            h0 = int(torch.randint(0, 24 - n + 1, (1,), generator=gen))
+            pages = (list(range(d0, d0 + n)), list(range(h0, h0 + n)))
+        else:
+            pages = (
+                torch.randperm(16, generator=gen)[:n].tolist(),
+                torch.randperm(24, generator=gen)[:n].tolist(),
+            )
+        k = int(torch.randint(0, 4, (1,), generator=gen))
+        slots = (
+            torch.randperm(6, generator=gen)[:k].tolist(),
+            torch.randperm(8, generator=gen)[:k].tolist(),
+        )
+        kind = TransferKind.BACKUP if torch.rand(1, generator=gen) < 0.5 else TransferKind.LOAD
+        ops.append((kind, pages, slots))
+    return ops
+
+
+@pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
+@pytest.mark.parametrize("staging_bytes", [None, 256], ids=["staging-64MiB", "staging-tiny"])
+def test_cuda_random_ops_equal_naive_sequential_copies(make_spec, staging_bytes):
+    # A tiny staging buffer cuts every op into many chunks (one row or a few each).
+    gen = torch.Generator().manual_seed(7)
+    dev, host, eng = make_cuda(make_spec, staging_bytes)
+    randomize(dev, gen)
+    for t in host_views(host).values():
+        raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+        raw.copy_(torch.randint(-(2**15), 2**15, raw.shape, generator=gen).to(raw.dtype))
+    ref_dev = {k: v.cpu() for k, v in tensors(dev).items()}
+    ref_host = {k: v.clone() for k, v in host_views(host).items()}
+    ops = random_ops(gen)
+    handles = [(eng.backup if k is TransferKind.BACKUP else eng.load)(p, s) for k, p, s in ops]
+    assert all(h.wait(timeout=60) for h in handles)
+    eng.close()
+    for kind, pages, slots in ops:
+        naive_apply(ref_dev, ref_host, kind, pages, slots)
+    torch.cuda.synchronize()
+    for key, t in tensors(dev).items():
+        assert same_bits(t.cpu(), ref_dev[key]), key
+    for key, t in host_views(host).items():
+        assert same_bits(t, ref_host[key]), key
+
+
+def test_cuda_load_layer_readiness_and_caller_stream_writes():
+    torch.manual_seed(9)
+    dev, host, eng = make_cuda()
+    pages, hosts = [2, 3, 4, 9], [5, 6, 7, 0]
+    # Written on the default stream and backed up at once, without a synchronize: the
+    # engine's stream must wait for the caller's work.
+    for t in tensors(dev).values():
+        t.view(torch.uint8).random_(0, 256)
+    expected = {
+        k: v[pages if k[0] not in ("conv", "ssm") else [0, 1]].cpu()
+        for k, v in tensors(dev).items()
+    }
+    assert eng.backup((pages, hosts), ([0, 1], [3, 4])).wait()
+    for t in tensors(dev).values():
+        t.zero_()
+    h = eng.load(([10, 11, 12, 13], hosts), ([4, 5], [3, 4]))
+    for layer in LAYERS:
+        assert h.wait_layer(layer, timeout=60)
+        for (name, lid), t in tensors(dev).items():
+            if lid == layer:  # in place once wait_layer returned, readable on any stream
+                idx = [4, 5] if name in ("conv", "ssm") else [10, 11, 12, 13]
+                assert same_bits(t[idx].cpu(), expected[(name, lid)]), (name, lid)
+    assert h.wait() and h.ack is not None and h.ack.ok
+    eng.close()
+
+
+def test_cuda_waiter_copies_when_worker_stalls():
+    dev, host, eng = make_cuda()
+    stalled = threading.Event()
+    eng._worker = threading.Thread(target=stalled.wait, name="stalled", daemon=True)
+    for t in tensors(dev).values():
+        t.view(torch.uint8).fill_(7)
+    b = eng.backup(([1, 2], [3, 4]), ([0], [1]))
+    assert b.wait(timeout=60) and b.ack is not None and b.ack.ok
+    assert host.local("kv")[[3, 4]].view(torch.uint8).eq(7).all()
+    assert host.local("mamba_ssm")[1].view(torch.uint8).eq(7).all()
+    stalled.set()
     eng.close()
