@@ -73,18 +73,49 @@ def fixed_split(budget_bytes: int, page_bytes: int, state_bytes: int) -> tuple[i
     return lo, slots(lo)
 
 
+def share_split(
+    budget_bytes: int, page_bytes: int, state_bytes: int, state_share: float
+) -> tuple[int, int]:
+    """(pages, slots) with ``state_share`` of ``budget_bytes`` for states, the rest for
+    pages (an explicit fixed split, to compare with the rule of ``fixed_split``).
+
+    ``ValueError`` for a share outside (0, 1) or when a pool would be empty.
+    """
+    if not 0.0 < state_share < 1.0:
+        raise ValueError(f"state_share must be in (0, 1), got {state_share}")
+    slots = int(budget_bytes * state_share) // state_bytes if state_bytes else 0
+    pages = (budget_bytes - slots * state_bytes) // page_bytes
+    if pages < 1 or (state_bytes and slots < 1):
+        raise ValueError(
+            f"a budget of {budget_bytes} bytes with state_share={state_share} gives "
+            f"{pages} pages ({page_bytes} B) and {slots} states ({state_bytes} B)"
+        )
+    return pages, slots
+
+
 def budget_config(
-    profile: ModelProfile, page_size: int, device_bytes: int, host_bytes: int = 0
+    profile: ModelProfile,
+    page_size: int,
+    device_bytes: int,
+    host_bytes: int = 0,
+    state_share: float | None = None,
 ) -> HiCacheConfig:
     """A ``HiCacheConfig`` whose L1 (and L2 when ``host_bytes`` > 0) pools fit the byte
-    budgets, split between KV pages and states by the fixed rule (``fixed_split``)."""
+    budgets, split between KV pages and states by the fixed rule (``fixed_split``), or
+    with ``state_share`` of each budget for states (``share_split``)."""
     pb, sb = profile.page_bytes(page_size), profile.state_bytes
-    pages, slots = fixed_split(device_bytes, pb, sb)
+
+    def split(budget: int) -> tuple[int, int]:
+        if state_share is None:
+            return fixed_split(budget, pb, sb)
+        return share_split(budget, pb, sb, state_share)
+
+    pages, slots = split(device_bytes)
     if host_bytes <= 0:
         return HiCacheConfig(
             device_pages=pages, device_mamba_slots=slots, enable_host=False, transfer="cpu"
         )
-    host_pages, host_slots = fixed_split(host_bytes, pb, sb)
+    host_pages, host_slots = split(host_bytes)
     return HiCacheConfig(
         device_pages=pages,
         device_mamba_slots=slots,
@@ -102,10 +133,11 @@ def budget_cache(
     page_size: int,
     device_bytes: int,
     host_bytes: int = 0,
+    state_share: float | None = None,
 ) -> HiCache:
     """A ``HiCache`` on ``topology`` with tiny tensors and the pools of ``budget_config``.
     Collective."""
-    config = budget_config(profile, page_size, device_bytes, host_bytes)
+    config = budget_config(profile, page_size, device_bytes, host_bytes, state_share)
     return HiCache(topology, tiny_spec(page_size, profile.has_ssm), config)
 
 

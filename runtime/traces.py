@@ -274,8 +274,11 @@ def write_jsonl(trace: Iterable[TraceRequest], path: str) -> int:
 
 
 def _ids(value: object, what: str, line: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    # type() is exact: bools (and floats) are not token ids.
+    if (
+        not isinstance(value, list)
+        or not all(type(t) is int for t in value)
+        or (value and min(value) < 0)
     ):
         raise ValueError(f"line {line}: {what} must be a list of non-negative ints")
     return tuple(value)

@@ -6,7 +6,8 @@ through the real ``HiCache`` on a one-rank CPU mesh, with the engine's cache cal
 checkpoint placement (``runtime.replay``) and no model compute. Pools use tiny tensors;
 their page and slot counts come from the byte budgets and the model profile (bytes per
 KV page and per state checkpoint), split by ``HiCacheConfig``'s fixed rule
-(``runtime.replay.fixed_split``) until the cache takes byte budgets itself.
+(``runtime.replay.fixed_split``) until the cache takes byte budgets itself, or with
+``--state-share F`` of each budget for states (an explicit fixed split).
 
     python scripts/make_trace.py chat --seed 0 --out chat.jsonl
     python scripts/bench_hitrate.py chat.jsonl --profile hybrid-7b --device-bytes 2GB \\
@@ -79,6 +80,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host-bytes", type=parse_bytes, default=0, help="L2 budget (0: L1 only)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--policy", choices=POLICIES, default="lru", help="eviction policy")
+    p.add_argument(
+        "--state-share",
+        type=float,
+        default=None,
+        help="fraction of each budget for state checkpoints (default: HiCacheConfig's rule)",
+    )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines")
     p.add_argument("--json", default=None, metavar="OUT", help="write the result here")
@@ -120,7 +127,12 @@ def replay(
 ) -> dict[str, Any]:
     """Replay ``trace`` and return the result numbers (see the module docstring)."""
     cache = budget_cache(
-        one_rank_topology(), prof, args.page_size, args.device_bytes, args.host_bytes
+        one_rank_topology(),
+        prof,
+        args.page_size,
+        args.device_bytes,
+        args.host_bytes,
+        args.state_share,
     )
     cfg = cache.config
     player = Replayer(cache)

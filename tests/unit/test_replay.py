@@ -13,7 +13,7 @@ from runtime.engine import Engine
 from runtime.model import HybridModel
 from runtime.model.config import preset
 from runtime.profiles import profile
-from runtime.replay import Replayer, budget_config, fixed_split, tiny_spec
+from runtime.replay import Replayer, budget_config, fixed_split, share_split, tiny_spec
 from runtime.traces import TraceRequest, make_trace, trace_shape
 
 PAGE = 16
@@ -181,3 +181,18 @@ def test_budget_config_tiers():
         8 * 10**9, p.page_bytes(PAGE), p.state_bytes
     )
     assert both.num_host_pages() == both.host_pages
+
+
+def test_share_split_gives_states_their_share():
+    p = profile("hybrid-7b")
+    pb, sb = p.page_bytes(PAGE), p.state_bytes
+    pages, slots = share_split(10**10, pb, sb, 0.2)
+    assert slots == int(0.2 * 10**10) // sb
+    assert pages == (10**10 - slots * sb) // pb
+    config = budget_config(p, PAGE, 10**10, 4 * 10**10, state_share=0.2)
+    assert (config.device_pages, config.device_mamba_slots) == (pages, slots)
+    assert config.host_mamba_slots == int(0.2 * 4 * 10**10) // sb
+    with pytest.raises(ValueError, match="state_share"):
+        share_split(10**10, pb, sb, 1.0)
+    with pytest.raises(ValueError, match="0 states"):
+        share_split(10**9, pb, sb, 0.01)
