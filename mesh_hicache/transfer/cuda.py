@@ -62,7 +62,10 @@ class CudaTransferEngine(TransferEngine):
 
         super().__init__(device_pools, host_pools)
         self._rt: Any = cupy.cuda.runtime
-        self._device = device_pools.device
+        index = device_pools.device.index
+        self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        # cupy's runtime calls run on the thread's cupy device; make it the pools' one.
+        self._cupy_device: Any = cupy.cuda.Device(self._device.index)
         self._stream = torch.cuda.Stream(device=self._device)
         widest = max((s.row_bytes for s in self.segments.segments), default=1)
         self._staging = torch.empty(
@@ -70,6 +73,11 @@ class CudaTransferEngine(TransferEngine):
         )
         #: Rows of one segment that fit the staging buffer at once.
         self._chunk_rows = [self._staging.numel() // s.row_bytes for s in self.segments.segments]
+
+    def _submitted(self, op: _Op) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
     def _chunks(self, pair: tuple[IndexArray, IndexArray], rows: int) -> list[_Chunk]:
         dev_np, host_np = pair
@@ -105,9 +113,10 @@ class CudaTransferEngine(TransferEngine):
             )
             for paged in (True, False)
         }
-        with torch.cuda.stream(self._stream):
-            # The device pools may have been written on the caller's stream.
-            self._stream.wait_stream(torch.cuda.default_stream(self._device))
+        with torch.cuda.stream(self._stream), self._cupy_device:
+            # The device pools may have been written on the submitter's stream up to the
+            # submission (op.after: an event recorded there then).
+            self._stream.wait_event(op.after)
             chunks = {
                 True: self._chunks(op.pages, fits[True]),
                 False: self._chunks(op.slots, fits[False]),

@@ -45,6 +45,7 @@ import enum
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -193,6 +194,8 @@ class _Op:
     inject: bool = False
     steps: Iterator[None] | None = None
     """The running copy (``TransferEngine._steps``); None until it starts."""
+    after: Any = None
+    """What the copy must wait for (the CUDA engine: an event on the submitter's stream)."""
 
     @property
     def backup(self) -> bool:
@@ -296,6 +299,10 @@ class TransferEngine(abc.ABC):
         then yield. Resumed by whichever thread holds the copy role (never two at once).
         """
 
+    def _submitted(self, op: _Op) -> Any:
+        """Called on the submitting thread; the result becomes ``op.after``."""
+        return None
+
     # -- internals --------------------------------------------------------------------------
 
     def _submit(
@@ -313,6 +320,7 @@ class TransferEngine(abc.ABC):
             if self._fail_armed:
                 op.inject, op.fail_at = True, self._fail_at
                 self._fail_armed, self._fail_at = False, None
+            op.after = self._submitted(op)
             self._pending.append(op)
             if not self._worker_started:
                 self._worker.start()

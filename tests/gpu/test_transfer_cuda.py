@@ -175,3 +175,15 @@ def test_cuda_waiter_copies_when_worker_stalls():
     assert host.local("mamba_ssm")[1].view(torch.uint8).eq(7).all()
     stalled.set()
     eng.close()
+
+
+def test_cuda_backup_sees_writes_on_the_submitters_stream():
+    dev, host, eng = make_cuda()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the write lands late on this stream
+        dev.k(0)[5].fill_(3.0)
+        h = eng.backup(([5], [2]))  # submitted on the side stream
+    assert h.wait(timeout=60)
+    assert host.local("kv")[2, 0, 0].float().eq(3.0).all()
+    eng.close()
