@@ -458,9 +458,9 @@ def kv_shard_owner(positions: torch.Tensor, page_size: int, cp: int) -> torch.Te
     return (positions % page_size) // (page_size // cp)
 
 
-def kv_page_tokens(page_size: int, cp: int, cp_rank: int, cp_kv: str) -> tuple[int, int]:
+def kv_page_tokens(page_size: int, cp: int, cp_rank: int, cp_kv: CpKvMode | str) -> tuple[int, int]:
     """The token-in-page range ``[start, stop)`` a cp rank keeps of every KV page."""
-    if cp_kv == "shard":
+    if CpKvMode.parse(cp_kv, "cp_kv") is CpKvMode.SHARD:
         n = page_size // cp
         return (cp_rank * n, (cp_rank + 1) * n)
     return (0, page_size)

@@ -6,6 +6,8 @@ import dataclasses
 import threading
 from dataclasses import dataclass, field
 
+from mesh_hicache.choices import PrefetchPolicy
+
 PREFETCH_OUTCOMES = ("completed", "partial", "aborted", "below_threshold")
 
 
@@ -18,7 +20,7 @@ class CacheStats:
     tokens equals the per-tier one and is not repeated.
     """
 
-    prefetch_policy: str = "wait_complete"
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.WAIT_COMPLETE
     requests: int = 0
     prompt_tokens: int = 0
     """Tokens looked up (the keys passed to ``match``; the runtime matches one token
