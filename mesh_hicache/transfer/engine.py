@@ -237,7 +237,7 @@ class TransferEngine(abc.ABC):
         self.num_batches = 0
         self._pending: collections.deque[_Op] = collections.deque()
         self._lock = threading.Condition()  # guards _pending, ids, flags; wakes the worker
-        self._exec = threading.Lock()  # held by the one thread copying (worker or a waiter)
+        self._copying = False  # one thread copies at a time: the worker or a waiter
         self._next_id = 0
         self._fail_at: int | None = None
         self._fail_armed = False
@@ -357,25 +357,40 @@ class TransferEngine(abc.ABC):
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._pending and not self._closed:
+                # Sleep while there is nothing to do or a waiter is copying: the waiter
+                # wakes us when it leaves work behind (no lock hand-off per operation).
+                while (not self._pending or self._copying) and not (
+                    self._closed and not self._copying
+                ):
                     self._lock.wait()
                 if not self._pending:
                     return  # closed and drained
-            with self._exec:
-                if self._pending:  # a waiter may have run them meanwhile
-                    self.num_batches += 1
-                    self._execute(None, 0)
+                self._copying = True
+                self.num_batches += 1
+            try:
+                self._execute(None, 0)
+            finally:
+                self._release_copier()
 
     def _help(self, handle: TransferHandle, pos: int) -> None:
         """A thread about to wait copies instead, if no one else is copying: no hand-off."""
-        if self._exec.acquire(blocking=False):
-            try:
-                self._execute(handle, pos)
-            finally:
-                self._exec.release()
+        with self._lock:
+            if self._copying or not self._pending:
+                return
+            self._copying = True
+        try:
+            self._execute(handle, pos)
+        finally:
+            self._release_copier()
+
+    def _release_copier(self) -> None:
+        with self._lock:
+            self._copying = False
+            if self._pending or self._closed:
+                self._lock.notify()  # the worker takes over what is left (or exits)
 
     def _execute(self, until: TransferHandle | None, pos: int) -> None:
-        """Run queued operations in order (caller holds ``_exec``): all of them, or only
+        """Run queued operations in order (caller set ``_copying``): all of them, or only
         until ``until`` has layer position ``pos`` in place (``len(layer_ids)``: finished)."""
         while True:
             with self._lock:
