@@ -1,0 +1,160 @@
+"""runtime.serve end to end under storage faults: a hostile file root, forged objects
+(with and without a secret) and backends raising any exception type. Each must leave the
+outputs identical to ``--cache off`` (the forged run without a secret shows the attack)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import runtime.serve as serve
+from mesh_hicache.storage import FileStorage
+from mesh_hicache.storage.keys import HEADER_SIZE, KEY_PATTERN, PLAIN_CODEC, ObjectCodec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = [
+    "--sessions",
+    "3",
+    "--turns",
+    "3",
+    "--first-prompt-len",
+    "96",
+    "--append-len",
+    "24",
+    "--device-pages",
+    "16",
+    "--prefetch-threshold",
+    "32",
+    "--max-new-tokens",
+    "4",
+    "--quiet",
+]
+SECRET = b"reliability-test-secret-0123456789"
+
+
+def _serve(out_dir, name: str, *extra: str) -> tuple[dict, str]:
+    out = out_dir / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.pop("MESH_HICACHE_STORAGE_SECRET_FILE", None)
+    cmd = [sys.executable, "-m", "runtime.serve", *SMALL, "--json", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stderr
+
+
+def _outputs(run: dict) -> list[list[int]]:
+    return [r["output_ids"] for r in run["requests"]]
+
+
+@pytest.fixture(scope="module")
+def off(tmp_path_factory) -> list[list[int]]:
+    run, _ = _serve(tmp_path_factory.mktemp("off"), "off", "--cache", "off")
+    return _outputs(run)
+
+
+def _objects(root) -> list:
+    """The object files under ``root`` (before anything is planted)."""
+    found = [p for p in root.rglob("*") if p.is_file()]
+    return sorted(p for p in found if KEY_PATTERN.fullmatch(str(p.relative_to(root))))
+
+
+def test_planted_symlinks_leave_outputs_unchanged_and_delete_nothing(tmp_path, off):
+    root, outside = tmp_path / "l3", tmp_path / "outside"
+    outside.mkdir()
+    _serve(tmp_path, "fill", "--storage-root", str(root))
+    objects = _objects(root)
+    assert len(objects) >= 6
+    targets = objects[::3]  # stay regular files
+    kept = {p: p.read_bytes() for p in targets}
+    links = [p for p in objects if p not in kept]
+    for i, p in enumerate(links):
+        if i % 2:
+            p.unlink()
+            p.symlink_to(targets[i % len(targets)])  # key -> another key's object
+        else:
+            copy = outside / f"copy{i}"
+            shutil.copyfile(p, copy)  # a valid-looking object outside the root
+            p.unlink()
+            p.symlink_to(copy)
+    outside_before = {p: p.read_bytes() for p in outside.iterdir()}
+    again, stderr = _serve(tmp_path, "again", "--storage-root", str(root))
+    assert _outputs(again) == off
+    assert stderr.count("refused symlink") == 1
+    assert all(p.is_file() and not p.is_symlink() and p.read_bytes() == b for p, b in kept.items())
+    assert all(p.is_symlink() for p in links)
+    assert {p: p.read_bytes() for p in outside.iterdir()} == outside_before
+
+
+def test_symlinked_root_directory_is_never_followed(tmp_path, off):
+    root, outside = tmp_path / "l3", tmp_path / "outside"
+    outside.mkdir()
+    root.mkdir()
+    (root / "v1").symlink_to(outside, target_is_directory=True)
+    run, stderr = _serve(
+        tmp_path, "linked", "--storage-root", str(root), "--storage-max-bytes", str(1 << 20)
+    )
+    assert _outputs(run) == off
+    assert list(outside.iterdir()) == [] and (root / "v1").is_symlink()
+    assert stderr.count("refused symlink") == 1
+    assert run["cache_stats"]["storage_put_dropped"] > 0
+
+
+def _forge(root, codec: ObjectCodec) -> int:
+    """Overwrite every object with a well-formed one holding other (plausible) values, as
+    anyone able to write the store can."""
+    objects = _objects(root)
+    g = torch.Generator().manual_seed(7)
+    for p in objects:
+        nbytes = p.stat().st_size - HEADER_SIZE
+        fake = torch.randn(nbytes // 4, generator=g).numpy().tobytes()
+        p.write_bytes(codec.encode_object(str(p.relative_to(root)), fake))
+    return len(objects)
+
+
+def test_forged_objects_with_a_secret_are_misses(tmp_path, off):
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET + b"\n")
+    flags = ["--storage-secret-file", str(secret)]
+    sealed, plain = tmp_path / "sealed", tmp_path / "plain"
+    _serve(tmp_path, "fill-sealed", "--storage-root", str(sealed), *flags)
+    _serve(tmp_path, "fill-plain", "--storage-root", str(plain))
+    # Forgers without the secret: CRC-valid objects, and objects sealed under a guess.
+    assert _forge(sealed, PLAIN_CODEC) > 0 and _forge(plain, PLAIN_CODEC) > 0
+    run, stderr = _serve(tmp_path, "sealed", "--storage-root", str(sealed), *flags)
+    assert _outputs(run) == off and run["summary"]["cached_storage"] == 0
+    assert "unsealed" in stderr
+    _forge(sealed, ObjectCodec(b"a guessed secret, not the real one"))
+    run, stderr = _serve(tmp_path, "sealed2", "--storage-root", str(sealed), *flags)
+    assert _outputs(run) == off and run["summary"]["cached_storage"] == 0
+    assert "mac" in stderr
+    # Without a secret the same forgery is served: the attack the secret stops.
+    attacked, _ = _serve(tmp_path, "plain", "--storage-root", str(plain))
+    assert attacked["summary"]["cached_storage"] > 0 and _outputs(attacked) != off
+
+
+ERRORS = [ValueError, TypeError, KeyError, AssertionError, RuntimeError, OSError, MemoryError]
+
+
+def test_any_backend_exception_leaves_outputs_unchanged_and_is_counted(tmp_path, off, monkeypatch):
+    raised: list[str] = []
+
+    def failing(self, *args, **kwargs):
+        error = ERRORS[len(raised) % len(ERRORS)]
+        raised.append(error.__name__)
+        raise error("injected backend failure")
+
+    for method in ("exists", "get", "put"):
+        monkeypatch.setattr(FileStorage, method, failing)
+    out = tmp_path / "raising.json"
+    argv = [*SMALL, "--storage-root", str(tmp_path / "l3"), "--storage-retry-s", "0"]
+    assert serve.main([*argv, "--json", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert _outputs(run) == off
+    assert set(raised) == {e.__name__ for e in ERRORS}  # every kind was hit
+    assert run["cache_stats"]["storage_errors"] == len(raised)
