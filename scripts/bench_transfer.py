@@ -19,6 +19,10 @@ count waiting for a core held by other processes).
 that revision's engine with ``git show`` into a temporary folder and measures it in the
 same run, alternating with the current one (skipped with a note when git or the revision
 is missing). Nothing of it is kept.
+
+``--seal`` runs only the L3 object-seal section (``bench_seal_cost``): backup (``put``)
+and load (``get``) of the same pages through ``FileStorage`` on tmpfs with the default
+CRC32 tag and with a storage secret (keyed MAC), and the tag computation alone.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import argparse
 import ctypes
 import importlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -261,6 +266,76 @@ def print_tables(bandwidth: list[dict], fixed: dict, engines: list[str]) -> None
     print(bench_common.key_value_table(fixed, "{:.1f}"))
 
 
+# -- L3 object seal: CRC32 vs keyed MAC ------------------------------------------------------
+
+
+def bench_seal_cost(args: argparse.Namespace) -> list[dict]:
+    """Per page size: GB/s of the L3 backup and load path (``FileStorage.put``/``get`` of
+    16 MiB of KV pages on tmpfs, fresh keys every repeat) and of the tag alone, without a
+    secret (CRC32) and with one (HMAC-SHA256), alternating within every repeat; medians."""
+    from mesh_hicache.layout import GlobalSlice
+    from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey
+    from mesh_hicache.storage.keys import PLAIN_CODEC, ObjectCodec, key_digest, tensor_bytes
+
+    secret = b"bench-transfer-seal-secret"
+    codecs = {"crc32": PLAIN_CODEC, "mac": ObjectCodec(secret)}
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None  # CPU cost, not the disk's
+    rows = []
+    for page_size in args.page_sizes:
+        page_bytes = 2 * page_size * args.layers * args.heads * args.head_dim * 2  # K+V, bf16
+        pages = max(1, 16 * MiB // page_bytes)
+        g = torch.Generator().manual_seed(page_size)
+        pool = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, generator=g)
+        src = list(pool)  # distinct rows: no page is re-read from a warm cache
+        dst = [torch.empty_like(t) for t in src]
+        times: dict[str, list[float]] = {
+            f"{c}_{op}": [] for c in codecs for op in ("tag", "put", "get")
+        }
+        with tempfile.TemporaryDirectory(dir=base) as tmp:
+            stores = {
+                "crc32": FileStorage(os.path.join(tmp, "crc32")),
+                "mac": FileStorage(os.path.join(tmp, "mac"), secret=secret),
+            }
+            digest = key_digest("bench")
+            for rep in range(args.repeats):
+                ns = KeyNamespace("bench/seal", "bfloat16", rep)
+                sl = GlobalSlice((0, args.layers), (0, args.heads), (0, page_size))
+                keys = [StorageKey(ns, "kv", i.to_bytes(8, "little"), sl) for i in range(pages)]
+                for name, codec in codecs.items():
+                    views = [tensor_bytes(t) for t in src]
+                    t0 = time.perf_counter()
+                    for v in views:
+                        codec.tag(digest, v)
+                    t1 = time.perf_counter()
+                    assert all(stores[name].put(keys, src))
+                    t2 = time.perf_counter()
+                    assert all(stores[name].get(keys, dst))
+                    t3 = time.perf_counter()
+                    times[f"{name}_tag"].append(t1 - t0)
+                    times[f"{name}_put"].append(t2 - t1)
+                    times[f"{name}_get"].append(t3 - t2)
+                    shutil.rmtree(os.path.join(tmp, name, "v1"))
+            for store in stores.values():
+                store.close()
+        total = pages * page_bytes
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row: dict[str, Any] = {"page_size": page_size, "page_bytes": page_bytes, "pages": pages}
+        row.update({f"{k}_gbps": total / t / 1e9 for k, t in med.items()})
+        for op in ("tag", "put", "get"):
+            row[f"mac_{op}_slowdown"] = med[f"mac_{op}"] / med[f"crc32_{op}"]
+        rows.append(row)
+    return rows
+
+
+def print_seal_table(rows: list[dict]) -> None:
+    cols = [bench_common.Column("page_size", "page tokens"), bench_common.Column("page_bytes")]
+    for op in ("tag", "put", "get"):
+        for codec in ("crc32", "mac"):
+            cols.append(bench_common.Column(f"{codec}_{op}_gbps", f"{op} {codec} GB/s", "{:.2f}"))
+        cols.append(bench_common.Column(f"mac_{op}_slowdown", f"{op} MAC/CRC", "{:.2f}x"))
+    print(bench_common.markdown_table(rows, cols))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -284,8 +359,20 @@ def main() -> None:
     parser.add_argument("--old", default="4301f1e", help="git revision to compare ('' = none)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--json", default=None, help="write results to this path")
+    parser.add_argument(
+        "--seal", action="store_true", help="only the L3 seal section (CRC32 vs keyed MAC)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # the baseline is ONE thread; the CPU engine uses one worker
+    if args.seal:
+        seal = bench_seal_cost(args)
+        print_seal_table(seal)
+        if args.json:
+            config = {k: v for k, v in vars(args).items() if k != "json"}
+            bench_common.write_json(
+                bench_common.make_result("storage_seal", config, {"seal": seal}), args.json
+            )
+        return
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
