@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mesh_hicache.choices import TransferBackend
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools, cupy_cuda_available
 from mesh_hicache.transfer.cpu import CpuTransferEngine
@@ -13,11 +14,13 @@ from mesh_hicache.transfer.engine import (
     TransferKind,
 )
 
-TRANSFER_KINDS: tuple[str, ...] = ("auto", "cpu", "cuda")
+TRANSFER_KINDS: tuple[str, ...] = TransferBackend.values()
 
 
 def make_transfer_engine(
-    device_pools: DevicePools, host_pools: HostPools, kind: str = "auto"
+    device_pools: DevicePools,
+    host_pools: HostPools,
+    kind: TransferBackend | str = TransferBackend.AUTO,
 ) -> TransferEngine:
     """The engine for these pools.
 
@@ -25,12 +28,11 @@ def make_transfer_engine(
     the device pools are on CUDA; otherwise ``cpu``. ``ValueError`` for an unknown kind
     or ``cuda`` without CUDA.
     """
-    if kind not in TRANSFER_KINDS:
-        raise ValueError(f"transfer engine kind {kind!r} is not one of {TRANSFER_KINDS}")
+    kind = TransferBackend.parse(kind, "transfer engine kind")
     on_cuda = device_pools.device.type == "cuda"
-    if kind == "auto":
-        kind = "cuda" if on_cuda and cupy_cuda_available() else "cpu"
-    if kind == "cuda":
+    if kind is TransferBackend.AUTO:
+        kind = TransferBackend.CUDA if on_cuda and cupy_cuda_available() else TransferBackend.CPU
+    if kind is TransferBackend.CUDA:
         if not (on_cuda and cupy_cuda_available()):
             raise ValueError("kind='cuda' needs CUDA device pools, torch CUDA and cupy")
         from mesh_hicache.transfer.cuda import CudaTransferEngine
