@@ -351,7 +351,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--pool-factor", type=float, default=1.5, help="pool pages / op pages")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats at >= 4 MiB")
+    parser.add_argument("--repeats", type=int, default=9, help="repeats at >= 4 MiB")
     parser.add_argument("--max-repeats", type=int, default=60, help="repeats of small ops")
     parser.add_argument("--fixed-layers", type=int, default=32)
     parser.add_argument("--fixed-repeats", type=int, default=200)
