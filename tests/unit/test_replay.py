@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine
 from runtime.model import HybridModel
@@ -20,9 +20,8 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def topology(single_rank_group):
-    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "cp", "tp"))
-    return MeshTopology.from_mesh(mesh)
+def topology(one_rank_topology):
+    return one_rank_topology
 
 
 # Small versions of the three shapes: short enough for the tiny model on CPU, long
@@ -137,7 +136,7 @@ def test_a_request_longer_than_l1_is_served_uncached(topology):
     cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
     served = Replayer(cache).serve(list(range(1, 101)), [1, 2, 3, 4])
     assert not served.paged and served.reused_tokens == 0 and served.checkpoints == 0
-    assert cache.tree.num_nodes == 0
+    assert internals(cache).tree.num_nodes == 0
     cache.close()
 
 
