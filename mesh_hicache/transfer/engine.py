@@ -131,7 +131,9 @@ class TransferHandle:
         """Block until ``layer_id``'s data is in place (True) or the op failed first (False).
 
         ``ValueError`` if this rank holds no state of ``layer_id``. ``timeout`` seconds
-        elapsed without either also returns False.
+        elapsed without either also returns False. When no one is copying, the calling
+        thread copies the queued work up to this layer itself first (``timeout`` then
+        bounds only the wait that may follow).
         """
         try:
             pos = self.layer_ids.index(layer_id)
@@ -147,7 +149,10 @@ class TransferHandle:
         return self._layers_done > pos
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the operation finished; return ``ok`` (False on timeout)."""
+        """Block until the operation finished; return ``ok`` (False on timeout).
+
+        Like :meth:`wait_layer`, copies the queued work itself when no one is copying.
+        """
         if not self._finished and self._engine is not None:
             self._engine._help(self, len(self.layer_ids))
         if not self._finished:
