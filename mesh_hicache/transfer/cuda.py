@@ -100,7 +100,6 @@ class CudaTransferEngine(TransferEngine):
     def _issue(self, op: _Op) -> tuple[list[torch.cuda.Event], Exception | None]:
         """Queue every layer's copies on the side stream, one event per layer; stop at the
         first error (returned) with the events of the layers queued before it."""
-        torch.cuda.set_device(self._device)
         events: list[torch.cuda.Event] = []
         error: Exception | None = None
         # Chunks are cut to the narrowest staging fit of their kind, so every segment of
@@ -113,7 +112,8 @@ class CudaTransferEngine(TransferEngine):
             )
             for paged in (True, False)
         }
-        with torch.cuda.stream(self._stream), self._cupy_device:
+        # A context, not set_device: a waiter's thread may be the one issuing.
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream), self._cupy_device:
             # The device pools may have been written on the submitter's stream up to the
             # submission (op.after: an event recorded there then).
             self._stream.wait_event(op.after)
