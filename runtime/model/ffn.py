@@ -29,21 +29,21 @@ class MLP:
     ) -> None:
         f0, f1 = tp_split(hidden, tp.size, tp.rank)
         self.kind = kind
-        self.up = weights.get(f"{prefix}.up", rows=((f0, f1),)).to(dtype)
-        self.gate = None
-        if kind == "swiglu":
-            self.gate = weights.get(f"{prefix}.gate", rows=((f0, f1),)).to(dtype)
+        self.hidden = f1 - f0
+        up = weights.get(f"{prefix}.up", rows=((f0, f1),))
+        if kind == "swiglu":  # [gate | up] in one GEMM
+            up = torch.cat([weights.get(f"{prefix}.gate", rows=((f0, f1),)), up])
+        self.up = up.to(dtype)
         self.down = weights.get(f"{prefix}.down", cols=((f0, f1),)).to(dtype)
 
     def to(self, device: torch.device) -> None:
         self.up, self.down = self.up.to(device), self.down.to(device)
-        if self.gate is not None:
-            self.gate = self.gate.to(device)
 
     def __call__(self, x: Tensor) -> Tensor:
         up = F.linear(x, self.up)
-        if self.gate is not None:
-            hidden = F.silu(F.linear(x, self.gate)) * up
+        if self.kind == "swiglu":
+            gate, up = up.split(self.hidden, dim=-1)
+            hidden = F.silu(gate) * up
         elif self.kind == "relu2":
             hidden = torch.relu(up).square()
         else:
@@ -113,7 +113,7 @@ class MoE:
         choice = scores + self.router_bias
         groups = c.router_groups
         if groups > 1:
-            per_group = choice.view(x.shape[0], groups, -1)
+            per_group = choice.view(x.shape[0], groups, c.num_experts // groups)
             group_value = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
             best = group_value.topk(c.router_topk_groups, dim=-1).indices
             keep = torch.zeros_like(group_value, dtype=torch.bool).scatter_(1, best, True)

@@ -116,7 +116,7 @@ def merge_partials(outs: Tensor, lses: Tensor) -> Tensor:
 
 
 class Attention:
-    """GQA with full, partial or no RoPE. ``wq`` ``[H*E, D]``, ``wk``/``wv`` ``[G*E, D]``,
+    """GQA with full, partial or no RoPE. ``wqkv`` ``[(H+2G)*E, D]`` (q, k, v fused),
     ``wo`` ``[D, H*E]`` (this rank's heads; with fewer KV heads than tp, the one KV head
     of the rank's query group).
 
@@ -146,20 +146,23 @@ class Attention:
         k0, k1 = kv_head_range(c.num_heads, c.num_kv_heads, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
         dtype = c.dtype
-        self.wq = weights.get(f"{prefix}.q", rows=((q0 * e, q1 * e),)).to(dtype)
-        self.wk = weights.get(f"{prefix}.k", rows=((k0 * e, k1 * e),)).to(dtype)
-        self.wv = weights.get(f"{prefix}.v", rows=((k0 * e, k1 * e),)).to(dtype)
+        wq = weights.get(f"{prefix}.q", rows=((q0 * e, q1 * e),))
+        wk = weights.get(f"{prefix}.k", rows=((k0 * e, k1 * e),))
+        wv = weights.get(f"{prefix}.v", rows=((k0 * e, k1 * e),))
+        self.wqkv = torch.cat([wq, wk, wv]).to(dtype)  # one GEMM for q, k, v
         self.wo = weights.get(f"{prefix}.o", cols=((q0 * e, q1 * e),)).to(dtype)
 
     def to(self, device: torch.device) -> None:
-        for name in ("wq", "wk", "wv", "wo"):
+        for name in ("wqkv", "wo"):
             setattr(self, name, getattr(self, name).to(device))
 
     def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         t, e = x.shape[0], self.head_dim
-        q = F.linear(x, self.wq).view(t, self.num_heads, e)
-        k = F.linear(x, self.wk).view(t, self.num_kv_heads, e)
-        v = F.linear(x, self.wv).view(t, self.num_kv_heads, e)
+        hq, hk = self.num_heads * e, self.num_kv_heads * e
+        q, k, v = F.linear(x, self.wqkv).split([hq, hk, hk], dim=-1)
+        q = q.reshape(t, self.num_heads, e)
+        k = k.reshape(t, self.num_kv_heads, e)
+        v = v.reshape(t, self.num_kv_heads, e)
         q = rope(q, positions, self.theta, self.rope_dim)
         k = rope(k, positions, self.theta, self.rope_dim)
         return q, k, v
@@ -242,10 +245,11 @@ class Mamba2:
     This rank keeps heads ``tp_split(S)`` and groups ``ssm_group_range`` (whole groups
     when groups >= tp, else the one group of its heads). Conv channels are group-major:
     per local group ``[x of its local heads, B_g, C_g]``, which is also the order of the
-    cached conv state. Weights: ``w_z`` ``[S*P, D]``, ``w_xbc`` ``[C, D]``, ``w_dt``
-    ``[S, D]``, ``conv_w`` ``[C, K]``, ``conv_b`` ``[C]``, ``dt_bias``/``a_log``/``d_skip``
-    ``[S]`` (float32), ``norm_w`` ``[S*P]`` (RMSNorm of the gated output over each whole
-    group; a group split over tp ranks sums its squares over tp), ``w_out`` ``[D, S*P]``.
+    cached conv state. Weights: ``w_in`` ``[S*P + C + S, D]`` (z, xBC and dt fused; ``w_xbc``
+    is a view of its xBC rows), ``conv_w`` ``[C, K]``, ``conv_b`` ``[C]``,
+    ``dt_bias``/``a_log``/``d_skip`` ``[S]`` (float32), ``norm_w`` ``[S*P]`` (RMSNorm of the
+    gated output over each whole group; a group split over tp ranks sums its squares over
+    tp), ``w_out`` ``[D, S*P]``.
     """
 
     def __init__(
@@ -275,9 +279,13 @@ class Mamba2:
         def pieces(fmt: str) -> Tensor:
             return torch.cat([weights.get(fmt.format(part), rows=(r,)) for part, r in conv_rows])
 
-        self.w_z = weights.get(f"{prefix}.z", rows=((h0 * p, h1 * p),)).to(dtype)
-        self.w_xbc = pieces(prefix + ".{}").to(dtype)
-        self.w_dt = weights.get(f"{prefix}.dt", rows=((h0, h1),)).to(dtype)
+        w_z = weights.get(f"{prefix}.z", rows=((h0 * p, h1 * p),))
+        w_xbc = pieces(prefix + ".{}")
+        w_dt = weights.get(f"{prefix}.dt", rows=((h0, h1),))
+        # One fused input projection [z | xBC | dt] (one GEMM instead of three).
+        self.sizes = (w_z.shape[0], w_xbc.shape[0], w_dt.shape[0])
+        self.w_in = torch.cat([w_z, w_xbc, w_dt]).to(dtype)
+        self.w_xbc = self.w_in[self.sizes[0] : self.sizes[0] + self.sizes[1]]
         self.conv_w = pieces(prefix + ".conv_{}").to(dtype)
         self.conv_b = pieces(prefix + ".conv_bias_{}").to(dtype)
         heads = ((h0, h1),)
@@ -288,8 +296,9 @@ class Mamba2:
         self.w_out = weights.get(f"{prefix}.out", cols=((h0 * p, h1 * p),)).to(dtype)
 
     def to(self, device: torch.device) -> None:
-        for name in ("w_z", "w_xbc", "w_dt", "conv_w", "conv_b", "norm_w", "w_out"):
+        for name in ("w_in", "conv_w", "conv_b", "norm_w", "w_out"):
             setattr(self, name, getattr(self, name).to(device))
+        self.w_xbc = self.w_in[self.sizes[0] : self.sizes[0] + self.sizes[1]]
         for name in ("dt_bias", "a_log", "d_skip"):
             setattr(self, name, getattr(self, name).to(device))
 
@@ -307,7 +316,7 @@ class Mamba2:
         """
         lid, t = self.layer_id, x.shape[0]
         s, p, n, gs = self.heads, self.head_dim, self.state_dim, self.groups
-        xbc = F.linear(x, self.w_xbc)
+        z, xbc, dt_raw = F.linear(x, self.w_in).split(self.sizes, dim=-1)
         window = state.conv[lid].T.to(x.dtype)  # [K-1, C]
         k1 = window.shape[0]
         tails = cp.all_gather_ragged(xbc[max(t - k1, 0) :], [min(e - b, k1) for b, e in bounds])
@@ -316,13 +325,14 @@ class Mamba2:
         after = window
         for tail in tails[cp.rank :]:
             after = advance_window(after, tail)
-        conv = causal_conv(xbc, window, self.conv_w, self.conv_b).float().view(t, gs, -1)
+        conv = causal_conv(xbc, window, self.conv_w, self.conv_b).float()
+        conv = conv.view(t, gs, self.sizes[1] // gs)
         xs, B, C = conv.split([s // gs * p, n, n], dim=-1)
         xs = xs.reshape(t, s, p)
         if gs != s:
             B = B.repeat_interleave(s // gs, dim=1)
             C = C.repeat_interleave(s // gs, dim=1)
-        dt = F.softplus(F.linear(x, self.w_dt).float() + self.dt_bias)  # [T, S]
+        dt = F.softplus(dt_raw.float() + self.dt_bias)  # [T, S]
         dt = dt.clamp(self.dt_min, self.dt_max)
         A = -torch.exp(self.a_log)
         local = chunked_scan(xs, dt, A, B, C, xs.new_zeros(s, p, n), self.chunk)
@@ -330,8 +340,8 @@ class Mamba2:
         chained = combine_chunk_states(decays, cp.all_gather(local.final_state), state.ssm[lid])
         y = local.y + prefix_correction(dt, A, C, chained.initial[cp.rank])
         y = y + self.d_skip[:, None] * xs
-        z = F.linear(x, self.w_z).float().view(t, s, p)
-        y = self._gated_norm((y * F.silu(z)).reshape(t, gs, -1), tp)
+        gated = y * F.silu(z.float().view(t, s, p))
+        y = self._gated_norm(gated.reshape(t, gs, s // gs * p), tp)
         state.conv[lid] = after.T.contiguous()
         state.ssm[lid] = chained.final_state
         return tp.all_reduce(F.linear(y.reshape(t, s * p).to(x.dtype), self.w_out))

@@ -116,7 +116,7 @@ def root(tmp_path_factory) -> Path:
         ("granite_moe", (1, 2, 1), "shard", 13),
         ("nemotron_h", (2, 1, 1), "replicate", 16),
         ("granite_moe", (1, 2, 2), "replicate", 16),
-        ("nemotron_h", (1, 2, 2), "shard", 0),
+        ("nemotron_h", (1, 2, 2), "shard", 28),  # a one-token suffix: an empty cp chunk
         ("granite_moe", (2, 2, 2), "shard", 13),
     ],
 )

@@ -1,0 +1,201 @@
+"""Prefill and decode speed of this runtime vs transformers on the same checkpoint.
+
+    python scripts/bench_model.py                        # builds a Granite-4.0-H-like checkpoint
+    python scripts/bench_model.py --model /models/ckpt --lengths 256 1024 --threads 2
+    python scripts/bench_model.py --arch nemotron_h --json out.json
+
+One process, one rank, float32, pinned threads (``--threads``; the process is also
+pinned to that many cores when the OS allows). For each prefill length the two
+implementations run alternately (runtime, transformers, runtime, ...) ``--repeats``
+times after a warm-up, and the median wall time counts; decode is ``--decode`` steps
+after a prefill of the first length. transformers runs its eager PyTorch path (its
+kernels packages are not installed here) with ``logits_to_keep=1`` as ``generate`` does.
+Prints tokens/s and the ratio runtime / transformers (> 1: the runtime is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.checkpoints import load_checkpoint  # noqa: E402
+from runtime.model import HybridModel  # noqa: E402
+
+ARCHS = ("granite_moe", "granite_dense", "bamba", "nemotron_h")
+
+
+def build_checkpoint(arch: str, directory: Path) -> Path:
+    """A random checkpoint of a small but realistically shaped model (~40M parameters)."""
+    import transformers
+
+    model: Any
+    config: Any
+    common: dict[str, Any] = dict(
+        vocab_size=8192, hidden_size=512, num_attention_heads=8, num_key_value_heads=2
+    )
+    mamba: dict[str, Any] = dict(
+        mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=256
+    )
+    layers = ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"]
+    if arch in ("granite_moe", "granite_dense"):
+        moe = arch == "granite_moe"
+        config = transformers.GraniteMoeHybridConfig(
+            **common,
+            **mamba,
+            mamba_n_groups=1,
+            layer_types=layers,
+            num_hidden_layers=len(layers),
+            num_local_experts=8 if moe else 0,
+            num_experts_per_tok=2,
+            intermediate_size=512,
+            shared_intermediate_size=1024,
+            position_embedding_type="nope",
+            tie_word_embeddings=True,
+        )
+        model = transformers.GraniteMoeHybridForCausalLM(config)
+    elif arch == "bamba":
+        config = transformers.BambaConfig(
+            **common,
+            **mamba,
+            mamba_n_groups=1,
+            num_hidden_layers=len(layers),
+            attn_layer_indices=[3, 7],
+            intermediate_size=1536,
+        )
+        model = transformers.BambaForCausalLM(config)
+    else:
+        blocks = []
+        for kind in layers:
+            blocks += ["full_attention" if kind == "attention" else "linear_attention", "mlp"]
+        config = transformers.NemotronHConfig(
+            **common,
+            layers_block_type=blocks,
+            head_dim=64,
+            intermediate_size=1536,
+            mamba_num_heads=16,
+            mamba_head_dim=64,
+            ssm_state_size=64,
+            n_groups=1,
+            chunk_size=256,
+        )
+        model = transformers.NemotronHForCausalLM(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+def pin(threads: int) -> None:
+    torch.set_num_threads(threads)
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))[:threads]
+        os.sched_setaffinity(0, cores)
+
+
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def ours_decode(model: HybridModel, ids: torch.Tensor, steps: int) -> float:
+    """Seconds for ``steps`` greedy decode steps after a prefill of ``ids``."""
+    state = model.new_state()
+    logits = model.prefill(ids, state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = model.decode(int(logits.argmax()), state)
+    return time.perf_counter() - t0
+
+
+def theirs_decode(model, ids: torch.Tensor, steps: int) -> float:
+    """The same with transformers (its cache, explicit positions)."""
+    pos = ids.shape[0]
+    out = model(ids[None], position_ids=torch.arange(pos)[None], use_cache=True)
+    cache = out.cache
+    t0 = time.perf_counter()
+    for i in range(steps):
+        token = out.logits[:, -1:].argmax(-1)
+        out = model(token, cache=cache, position_ids=torch.tensor([[pos + i]]), use_cache=True)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint directory (default: build --arch in a tmp dir)")
+    p.add_argument("--arch", choices=ARCHS, default="granite_moe")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--decode", type=int, default=32, help="decode steps")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    pin(args.threads)
+    import transformers
+
+    directory = Path(args.model) if args.model else None
+    if directory is None:
+        directory = build_checkpoint(args.arch, Path(tempfile.mkdtemp(prefix="bench_model_")))
+    ckpt = load_checkpoint(directory, torch.float32)
+    ours = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    vocab = ckpt.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    results: dict[str, dict[str, float]] = {}
+
+    def ours_prefill(ids: torch.Tensor) -> None:
+        ours.prefill(ids, ours.new_state())
+
+    def theirs_prefill(ids: torch.Tensor) -> None:
+        pos = torch.arange(ids.shape[0])[None]
+        theirs(ids[None], position_ids=pos, use_cache=True, logits_to_keep=1)
+
+    with torch.inference_mode():
+        for length in args.lengths:
+            ids = torch.randint(0, vocab, (length,), generator=gen)
+            ours_prefill(ids[:64])  # warm-up
+            theirs_prefill(ids[:64])
+            times: dict[str, list[float]] = {"runtime": [], "transformers": []}
+            for _ in range(args.repeats):
+                times["runtime"].append(timed(ours_prefill, ids))
+                times["transformers"].append(timed(theirs_prefill, ids))
+            row = {k: length / statistics.median(v) for k, v in times.items()}
+            row["ratio"] = row["runtime"] / row["transformers"]
+            results[f"prefill_{length}"] = row
+            print(
+                f"prefill {length:5d}: runtime {row['runtime']:8.1f} tok/s   transformers "
+                f"{row['transformers']:8.1f} tok/s   ratio {row['ratio']:.2f}",
+                flush=True,
+            )
+        ids = torch.randint(0, vocab, (args.lengths[0],), generator=gen)
+        times = {"runtime": [], "transformers": []}
+        for _ in range(args.repeats):
+            times["runtime"].append(ours_decode(ours, ids, args.decode))
+            times["transformers"].append(theirs_decode(theirs, ids, args.decode))
+        row = {k: args.decode / statistics.median(v) for k, v in times.items()}
+        row["ratio"] = row["runtime"] / row["transformers"]
+        results["decode"] = row
+        print(
+            f"decode {args.decode:3d} steps: runtime {row['runtime']:8.1f} tok/s   transformers "
+            f"{row['transformers']:8.1f} tok/s   ratio {row['ratio']:.2f}",
+            flush=True,
+        )
+    if args.json:
+        meta = {"model": str(directory), "arch": ckpt.architecture, "threads": args.threads}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

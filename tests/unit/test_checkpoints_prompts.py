@@ -1,0 +1,85 @@
+"""``--prompts FILE.jsonl`` parsing: sessions become turns, errors name the line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runtime.prompts import load_prompts
+
+
+class _WordTokenizer:
+    """Stands in for ``tokenizers.Tokenizer``: one id per word (``w<id>``)."""
+
+    class _Encoding:
+        def __init__(self, ids: list[int]) -> None:
+            self.ids = ids
+
+    def encode(self, text: str) -> _Encoding:
+        return self._Encoding([int(w[1:]) for w in text.split()])
+
+
+def _write(tmp_path: Path, lines: list[object]) -> Path:
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(x) if not isinstance(x, str) else x for x in lines))
+    return path
+
+
+def test_sessions_turns_and_max_new_tokens(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        [
+            {"input_ids": [1, 2, 3], "session": "a", "max_new_tokens": 4},
+            {"text": "w5 w6", "session": 7},
+            "",
+            {"input_ids": [9], "session": "a"},
+            {"input_ids": [4, 4]},
+            {"input_ids": [8], "session": 7},
+        ],
+    )
+    turns = load_prompts(path, 16, _WordTokenizer())
+    assert [t.request_id for t in turns] == [0, 1, 2, 3, 4]
+    assert [(t.session, t.turn) for t in turns] == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1)]
+    assert [t.user_tokens for t in turns] == [(1, 2, 3), (5, 6), (9,), (4, 4), (8,)]
+    assert [t.max_new_tokens for t in turns] == [4, None, None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not JSON"),
+        ([1, 2], "expected an object"),
+        ({"input_ids": [1], "text": "w1"}, "exactly one"),
+        ({}, "exactly one"),
+        ({"input_ids": [1], "foo": 1}, "unknown keys"),
+        ({"input_ids": [1, 99]}, r"not in range\(16\)"),
+        ({"input_ids": []}, "no tokens"),
+        ({"input_ids": ["a"]}, "list of ints"),
+        ({"input_ids": [1], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"text": "w1"}, "tokenizer.json"),
+    ],
+)
+def test_bad_lines_name_the_line(tmp_path: Path, line: object, message: str) -> None:
+    path = _write(tmp_path, [{"input_ids": [1]}, line])
+    with pytest.raises(ValueError, match=message) as err:
+        load_prompts(path, 16, None)
+    assert f"{path}:2" in str(err.value)
+
+
+def test_empty_or_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no requests"):
+        load_prompts(_write(tmp_path, [""]), 16)
+    with pytest.raises(ValueError, match="--prompts"):
+        load_prompts(tmp_path / "missing.jsonl", 16)
+
+
+def test_serve_rejects_a_bad_model_flag(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "runtime.serve", "--model", str(tmp_path / "nope")]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "neither a preset" in proc.stderr
