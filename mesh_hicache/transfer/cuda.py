@@ -67,9 +67,12 @@ class CudaTransferEngine(TransferEngine):
         # cupy's runtime calls run on the thread's cupy device; make it the pools' one.
         self._cupy_device: Any = cupy.cuda.Device(self._device.index)
         self._stream = torch.cuda.Stream(device=self._device)
+        # Where the pool tensors live (the pools' device; tests run this on CPU memory).
+        segs = self.segments.segments
+        self._tensor_device = segs[0].device.device if segs else self._device
         widest = max((s.row_bytes for s in self.segments.segments), default=1)
         self._staging = torch.empty(
-            max(staging_bytes, widest), dtype=torch.uint8, device=self._device
+            max(staging_bytes, widest), dtype=torch.uint8, device=self._tensor_device
         )
         #: Rows of one segment that fit the staging buffer at once.
         self._chunk_rows = [self._staging.numel() // s.row_bytes for s in self.segments.segments]
@@ -83,7 +86,7 @@ class CudaTransferEngine(TransferEngine):
         dev_np, host_np = pair
         out = []
         for start in range(0, dev_np.shape[0], rows):
-            dev_idx = torch.from_numpy(dev_np[start : start + rows]).to(self._device)
+            dev_idx = torch.from_numpy(dev_np[start : start + rows]).to(self._tensor_device)
             out.append(_Chunk(start, dev_idx, host_np[start : start + rows]))
         return out
 
