@@ -39,7 +39,7 @@ from typing import BinaryIO
 import torch
 
 from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
-from mesh_hicache.storage.file_tree import scan_tree, temp_names
+from mesh_hicache.storage.file_tree import evict_oldest, scan_tree, temp_names
 from mesh_hicache.storage.keys import (
     HEADER_SIZE,
     ObjectError,
@@ -424,22 +424,8 @@ class FileStorage(StorageBackend):
     def _evict(self, objects: list[tuple[int, str, int]], total: int, target: int) -> int:
         """Remove the oldest of ``objects`` until ``total`` <= ``target``; the new total."""
         with self._dirs() as dirs:
-            for _atime, rel, size in objects:
-                if total <= target:
-                    break
-                dir_parts, name = _split(rel)
-                try:
-                    d = dirs.get(dir_parts, create=False)
-                    if d is not None:
-                        os.unlink(name, dir_fd=d)
-                        self._count(evicted=1)
-                        parent = dirs.get(dir_parts[:-1], create=False)
-                        if parent is not None:
-                            os.rmdir(dir_parts[-1], dir_fd=parent)
-                            dirs.forget(dir_parts)
-                except (OSError, UnsafeEntry):
-                    pass  # evicted by another process first, or the directory is not empty
-                total -= size
+            total, evicted = evict_oldest(dirs, objects, total, target)
+        self._count(evicted=evicted)
         return total
 
     def _scan(self) -> tuple[list[tuple[int, str, int]], int]:

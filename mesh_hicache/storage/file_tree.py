@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 
 from mesh_hicache.storage.keys import KEY_PATTERN
+from mesh_hicache.storage.safe_dir import DirCache, UnsafeEntry
 
 TMP_PREFIX = ".tmp-"
 
@@ -84,3 +85,31 @@ def scan_tree(root_fd: int, stale_ns: int) -> tuple[list[tuple[int, str, int]], 
             objects.append((st.st_atime_ns, rel, st.st_size))
             total += st.st_size
     return objects, total
+
+
+def evict_oldest(
+    dirs: DirCache, objects: list[tuple[int, str, int]], total: int, target: int
+) -> tuple[int, int]:
+    """Unlink objects (sorted oldest first, as from ``scan_tree``) through ``dirs`` until
+    ``total`` <= ``target``, removing page directories left empty. Returns the new total
+    and how many objects this call removed (another process may have removed some first).
+    """
+    evicted = 0
+    for _atime, rel, size in objects:
+        if total <= target:
+            break
+        parts = rel.split("/")
+        dir_parts, name = tuple(parts[:-1]), parts[-1]
+        try:
+            d = dirs.get(dir_parts, create=False)
+            if d is not None:
+                os.unlink(name, dir_fd=d)
+                evicted += 1
+                parent = dirs.get(dir_parts[:-1], create=False)
+                if parent is not None:
+                    os.rmdir(dir_parts[-1], dir_fd=parent)
+                    dirs.forget(dir_parts)
+        except (OSError, UnsafeEntry):
+            pass  # evicted by another process first, or the directory is not empty
+        total -= size
+    return total, evicted
