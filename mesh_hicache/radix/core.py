@@ -53,14 +53,20 @@ class Freed:
 
 
 def common_bytes(data: bytes, pos: int, other: bytes, page_bytes: int) -> int:
-    """Bytes of ``other`` that equal ``data[pos:]``, in whole pages (one XOR of the two
-    runs as big ints: the lowest set bit is the first differing byte)."""
+    """Bytes of ``other`` that equal ``data[pos:]``, in whole pages; the first page is known
+    to match. A binary search over pages: O(log pages) native comparisons, O(bytes) copied."""
     end = min(len(other), len(data) - pos)
-    diff = int.from_bytes(data[pos : pos + end], "little") ^ int.from_bytes(other[:end], "little")
-    if not diff:
+    if data[pos : pos + end] == other[:end]:
         return end
-    first = ((diff & -diff).bit_length() - 1) >> 3
-    return first - first % page_bytes
+    lo, hi = 1, end // page_bytes  # pages: the first ``lo`` match, the first ``hi`` do not
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        a, b = lo * page_bytes, mid * page_bytes
+        if data[pos + a : pos + b] == other[a:b]:
+            lo = mid
+        else:
+            hi = mid
+    return lo * page_bytes
 
 
 class TreeCore:
@@ -304,8 +310,11 @@ class TreeCore:
             self._queues.update(parent)
         self._queues.update(node)
 
-    def _detach(self, node: TreeNode, tier: Tier, family: Family) -> tuple[int, ...]:
-        """Drop (tier, family) of ``node``; returns the pages, or the one slot. Unchecked."""
+    def _detach(
+        self, node: TreeNode, tier: Tier, family: Family, requeue: bool = True
+    ) -> tuple[int, ...]:
+        """Drop (tier, family) of ``node``; returns the pages, or the one slot. Unchecked.
+        ``requeue=False``: the caller updates the queues itself (a node being removed)."""
         attr, total = _FIELDS[(tier, family)]
         value = getattr(node, attr)
         assert value is not None
@@ -316,8 +325,10 @@ class TreeCore:
             parent = node.parent
             assert parent is not None
             parent.num_device_children -= 1
-            self._queues.update(parent)
-        self._queues.update(node)
+            if requeue:
+                self._queues.update(parent)
+        if requeue:
+            self._queues.update(node)
         return out
 
     def _add_ref(self, node: TreeNode, attr: str, delta: int, undo_of: str) -> None:
@@ -355,13 +366,13 @@ class TreeCore:
             parent = node.parent
             assert parent is not None and not node.is_sentinel
             if node.device_indices is not None:
-                freed.device.extend(self._detach(node, Tier.DEVICE, Family.KV))
+                freed.device.extend(self._detach(node, Tier.DEVICE, Family.KV, False))
             if node.host_indices is not None:
-                freed.host.extend(self._detach(node, Tier.HOST, Family.KV))
+                freed.host.extend(self._detach(node, Tier.HOST, Family.KV, False))
             if node.mamba_device_slot is not None:
-                freed.mamba_device.extend(self._detach(node, Tier.DEVICE, Family.STATE))
+                freed.mamba_device.extend(self._detach(node, Tier.DEVICE, Family.STATE, False))
             if node.mamba_host_slot is not None:
-                freed.mamba_host.extend(self._detach(node, Tier.HOST, Family.STATE))
+                freed.mamba_host.extend(self._detach(node, Tier.HOST, Family.STATE, False))
             del parent.children[node.data[:pb]]
             node.alive = False
             self._queues.remove(node)

@@ -145,9 +145,14 @@ class EvictionQueues:
     def update(self, node: TreeNode) -> None:
         """Make ``node``'s membership and keys match its current state (after a change)."""
         pos = node.queue_pos
+        stats: NodeStats | None = None
         for q, wanted in enumerate(candidacy(node)):
             if wanted:
-                key = self.key(node, TARGETS[q])
+                if stats is None:
+                    stats = NodeStats(
+                        node.last_access, node.hit_count, node.num_tokens, node.has_mamba_state
+                    )
+                key = (*self.policy.priority(stats, TARGETS[q]), node.id)
                 if pos[q] < 0:
                     self._heaps[q].push(node, key)
                 else:

@@ -70,8 +70,13 @@ class RadixTree(TreeCore):
             path.append(self._split(partial[0], partial[1]))
         if touch:
             self.clock += 1
-            for node in path:
-                self._touch(node, hit=True)
+            clock = self.clock
+            for node in path:  # a touch is a timestamp store (queues re-rank lazily)
+                node.last_access = clock
+                node.hit_count += 1
+            if self._rekey_on_touch:
+                for node in path:
+                    self._queues.update(node)
         usable = path
         if self.has_mamba:
             end = len(path)

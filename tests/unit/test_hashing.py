@@ -82,3 +82,52 @@ def test_radix_key_alignment() -> None:
     assert aligned == RadixKey((1, 2, 3, 4), "ns")
     assert aligned.page_aligned(2) is aligned
     assert key.page_hashes(2) == page_hashes([1, 2, 3, 4], 2, "ns")
+
+
+@pytest.mark.parametrize(
+    "tokens, error, shown",
+    [
+        ([3, True], TypeError, "True at position 1"),
+        ([3, 4, 1.0], TypeError, "1.0 at position 2"),
+        (["7"], TypeError, "'7' at position 0"),
+        ([5, -1], ValueError, "-1 at position 1"),
+        ([2**63], ValueError, str(2**63)),
+        ([2**64 + 5], ValueError, str(2**64 + 5)),
+    ],
+)
+def test_tokens_are_validated_naming_the_value(tokens, error, shown) -> None:
+    with pytest.raises(error, match=shown):
+        RadixKey(tokens)
+    with pytest.raises(error, match=shown):
+        page_hashes(tokens, 1)
+
+
+def test_pack_accepts_int_sequences_of_any_kind() -> None:
+    import numpy as np
+    import torch
+
+    want = hashing.pack_tokens([0, 1, 2**63 - 1, 31999])
+    assert len(want) == 32 and hashing.unpack_tokens(want) == (0, 1, 2**63 - 1, 31999)
+    assert hashing.pack_tokens((0, 1, 2**63 - 1, 31999)) == want
+    assert hashing.pack_tokens(np.array([0, 1, 2**63 - 1, 31999], dtype=np.int64)) == want
+    assert hashing.pack_tokens(t for t in [0, 1, 2**63 - 1, 31999]) == want
+    assert hashing.pack_tokens(torch.tensor([3, 4])) == hashing.pack_tokens(range(3, 5))
+    with pytest.raises(TypeError, match="True"):
+        hashing.pack_tokens(np.array([True, False]))
+    with pytest.raises(TypeError, match="bytes"):
+        hashing.pack_tokens(b"\x01\x02")  # type: ignore[arg-type]
+    assert hashing.pack_tokens([]) == b""
+
+
+def test_keys_validate_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = RadixKey(list(range(10)), "ns")
+    calls = []
+    real = hashing.pack_tokens
+    monkeypatch.setattr(hashing, "pack_tokens", lambda t: calls.append(1) or real(t))
+    aligned = key.page_aligned(4)
+    assert aligned.tokens == tuple(range(8)) and aligned.namespace == "ns"
+    assert key.prefix(3).tokens == (0, 1, 2) and key.prefix(99) is key
+    assert RadixKey.from_packed(key.data, "ns") == key
+    assert key.page_hashes(4, start_page=1, parent=key.page_hashes(4)[0]) == key.page_hashes(4)[1:]
+    assert calls == []  # slices, prefixes and hashes never look at a token again
+    assert hash(key) == hash(RadixKey(range(10), "ns")) and key != RadixKey(range(10))

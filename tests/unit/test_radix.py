@@ -8,14 +8,20 @@ import random
 import pytest
 
 from mesh_hicache.radix import (
+    EvictionPolicy,
     EvictTarget,
+    Family,
     LFUPolicy,
+    LRUPolicy,
     NodeStats,
     PoolUsage,
     RadixKey,
     RadixTree,
+    Tier,
     TreeNode,
+    page_hashes,
 )
+from mesh_hicache.radix.queues import is_candidate
 
 
 class Pages:
@@ -396,3 +402,126 @@ def test_untouched_match_reads_without_counting():
     assert (tree.clock, again.last_node.hit_count, again.last_node.last_access) == before
     tree.match_prefix(key)
     assert again.last_node.hit_count == before[1] + 1
+
+
+def test_attach_detach_by_tier_and_family() -> None:
+    tree = RadixTree(2, has_mamba=True)
+    n = tree.insert(key([1, 2, 3, 4]), [0, 1], mamba_device_slot=5).node
+    tree.attach(n, Tier.HOST, Family.KV, [7, 8])
+    tree.attach(n, Tier.HOST, Family.STATE, [9])
+    assert (n.host_indices, n.mamba_host_slot) == ((7, 8), 9)
+    assert tree.num_host_pages == 2 and tree.num_mamba_host_slots == 1
+    assert tree.detach(n, Tier.DEVICE, Family.STATE) == (5,)
+    assert tree.detach(n, Tier.DEVICE, Family.KV) == (0, 1) and n.device_indices is None
+    tree.attach(n, Tier.DEVICE, Family.KV, [3, 4])
+    with pytest.raises(ValueError, match="already has a device copy"):
+        tree.attach(n, Tier.DEVICE, Family.KV, [5, 6])
+    with pytest.raises(ValueError, match="one slot"):
+        tree.attach(n, Tier.DEVICE, Family.STATE, [1, 2])
+    other = tree.insert(key([5, 5]), [10], mamba_device_slot=6).node
+    with pytest.raises(ValueError, match="must hold 1 pages"):
+        tree.attach(other, Tier.HOST, Family.KV, [1, 2])
+    tree.protect_host(n)
+    with pytest.raises(ValueError, match="host-protected"):
+        tree.detach(n, Tier.HOST, Family.KV)
+    assert tree.detach(n, Tier.HOST, Family.KV, invalid=True) == (7, 8)
+    tree.release_host(n)
+    with pytest.raises(ValueError, match="no device state"):
+        tree.detach(n, Tier.DEVICE, Family.STATE)
+    with pytest.raises(ValueError):
+        tree.attach(n, "disk", Family.KV, [1, 2])  # type: ignore[arg-type]
+    m = tree.match_prefix(key([1, 2, 3, 4]))
+    assert m.device_indices == (3, 4) and m.mamba_on_host == 9
+    tree.check_integrity(device=PoolUsage(capacity=11, free=[0, 1, 2, *range(5, 10)]))
+
+
+def test_unlock_without_lock_names_the_undo() -> None:
+    tree = RadixTree(1, has_mamba=False)
+    n = tree.insert(key([1, 2]), [0, 1]).node
+    with pytest.raises(ValueError, match="unlock"):
+        tree.unlock(n)
+    with pytest.raises(ValueError, match="release_host"):
+        tree.release_host(n)
+    tree.lock(n)
+    tree.unlock(n)
+    assert n.lock_ref == 0
+    tree.check_integrity()
+
+
+def test_page_hashes_are_lazy_and_chained() -> None:
+    tree = RadixTree(2, has_mamba=False)
+    a = tree.insert(key([1, 2, 3, 4, 5, 6]), [0, 1, 2]).node
+    b = tree.insert(key([1, 2, 3, 4, 7, 8]), [0, 1, 3]).node  # splits a after 2 pages
+    assert not any(n.hashes_known for n in tree.iter_nodes())  # insert never hashes
+    assert b.last_hash == page_hashes([1, 2, 3, 4, 7, 8], 2)[-1]
+    upper = b.parent
+    assert upper is not None and upper.hashes_known and not a.hashes_known
+    assert upper.hashes == tuple(page_hashes([1, 2, 3, 4], 2))
+    assert a.hashes == tuple(page_hashes([1, 2, 3, 4, 5, 6], 2)[2:])
+    tree.check_integrity()
+    # A split of a node whose hashes are known splits them too.
+    c = tree.insert(key([1, 2, 3, 4, 5, 6, 9, 9]), [0, 1, 2, 4]).node
+    tree.insert(key([1, 2, 3, 4, 5, 6, 9, 9, 1, 1]), [0, 1, 2, 4, 5])
+    assert c.last_hash == page_hashes([1, 2, 3, 4, 5, 6, 9, 9], 2)[-1]
+    tree.check_integrity()
+    a._hashes = (bytes(32),)
+    with pytest.raises(RuntimeError, match="wrong page hashes"):
+        tree.check_integrity()
+
+
+def test_node_at_is_a_read_only_exact_lookup() -> None:
+    tree = RadixTree(2, has_mamba=False)
+    n = tree.insert(key([1, 2, 3, 4]), [0, 1]).node
+    clock = tree.clock
+    assert tree.node_at(key([1, 2, 3, 4, 5])) is n
+    assert tree.node_at(key([1, 2])) is None  # inside a node: no split
+    assert tree.node_at(key([1, 2, 3, 4], "other")) is None
+    assert tree.clock == clock and tree.num_nodes == 1
+
+
+class _MRUPolicy(EvictionPolicy):
+    """Most recently used first: a touch makes a node an earlier victim (not monotone)."""
+
+    monotone = False
+
+    def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
+        return (-stats.last_access,)
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy(), LFUPolicy(), _MRUPolicy()])
+def test_eviction_order_equals_brute_force_min(policy: EvictionPolicy) -> None:
+    # The queues re-rank touched nodes lazily; every victim must still be the candidate
+    # with the smallest (priority, id) over the whole tree at the time of the call.
+    tree = RadixTree(1, has_mamba=True, policy=policy)
+    rng = random.Random(3)
+    pages = itertools.count()
+    slots = itertools.count()
+    for step in range(400):
+        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 7))]
+        op = rng.random()
+        if op < 0.4:
+            tree.insert(key(toks), [next(pages) for _ in toks], mamba_device_slot=next(slots))
+        elif op < 0.7:
+            tree.match_prefix(key(toks))
+        else:
+            target = EvictTarget.DEVICE_KV if op < 0.85 else EvictTarget.MAMBA_DEVICE
+            cands = [n for n in tree.iter_nodes() if is_candidate(n, target)]
+            if not cands:
+                continue
+            stats = [
+                NodeStats(n.last_access, n.hit_count, n.num_tokens, n.has_mamba_state)
+                for n in cands
+            ]
+            want = min(
+                zip(cands, stats, strict=True),
+                key=lambda c: (*policy.priority(c[1], target), c[0].id),
+            )[0]
+            if target is EvictTarget.DEVICE_KV:
+                expected = want.device_indices
+                assert tree.evict_device(1).device_pages[: len(expected)] == expected, step
+            else:
+                slot = want.mamba_device_slot
+                assert tree.evict_mamba_device(1).mamba_device_slots[0] == slot, step
+        if step % 20 == 0:
+            tree.check_integrity()
+    tree.check_integrity()
