@@ -486,6 +486,18 @@ def test_failed_backup_drops_its_host_copies_under_an_open_request(make_cache):
 # -- misuse ------------------------------------------------------------------------------
 
 
+def test_cached_request_is_read_only(make_cache):
+    cache = make_cache()
+    req = cache.match(A)
+    for name, value in [("prefix_len", 12), ("prefix_pages", [0]), ("mamba_slot", 0)]:
+        with pytest.raises(AttributeError):
+            setattr(req, name, value)
+    req.prefix_pages.append(7)  # a copy: the request's pages are unchanged
+    assert req.prefix_pages == []
+    cache.release(req)
+    cache.check_integrity()
+
+
 def test_finish_load_before_load_or_twice_raises(make_cache):
     cache = make_cache()
     req = cache.match(A)
