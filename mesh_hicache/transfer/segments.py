@@ -16,6 +16,8 @@ row holds a single layer part, e.g. a one-layer Mamba or indexer region).
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,6 +48,9 @@ class Segment:
     host_ptr: int
     host_stride: int
     row_bytes: int
+    device_buffer: tuple[int, int]
+    """(address, bytes) of the whole allocation the device rows live in."""
+    host_buffer: tuple[int, int]
 
     @property
     def mergeable(self) -> bool:
@@ -77,6 +82,8 @@ def _segment(pos: int, part: str, paged: bool, dev: torch.Tensor, host: torch.Te
         host_ptr=host.data_ptr(),
         host_stride=host.stride(0) * es,
         row_bytes=int(np.prod(dev.shape[1:], dtype=np.int64)) * es,
+        device_buffer=(dev.untyped_storage().data_ptr(), dev.untyped_storage().nbytes()),
+        host_buffer=(host.untyped_storage().data_ptr(), host.untyped_storage().nbytes()),
     )
 
 
@@ -144,6 +151,7 @@ class _Group:
 
     paged: bool
     merge: bool
+    in_block: bool
     ids: np.ndarray
     dev_ptr: np.ndarray
     dev_stride: np.ndarray
@@ -166,48 +174,56 @@ class SegmentTable:
         # First segment of each layer position (segments are layer-major), then the end.
         sizes = [len(ids) for ids in self.by_layer]
         self._layer_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-        # Segments grouped by (index kind, mergeable); ids ascending = layer-major.
+        self._blocks = _small_row_blocks(segments)
+        small = {int(i) for b in self._blocks for i in b.ids}
+        # Segments grouped by (index kind, mergeable, in a small-row block); ids ascending
+        # = layer-major.
         self._groups: list[_Group] = []
-        for paged in (True, False):
-            for merge in (True, False):
-                members = [s for s in segments if s.paged is paged and s.mergeable is merge]
-                if not members:
-                    continue
+        for paged, merge, in_block in itertools.product((True, False), repeat=3):
+            ids = [
+                i
+                for i, s in enumerate(segments)
+                if s.paged is paged and s.mergeable is merge and (i in small) is in_block
+            ]
+            if not ids:
+                continue
 
-                def col(name: str, members: list[Segment] = members) -> np.ndarray:
-                    return np.array([[getattr(s, name)] for s in members], dtype=np.int64)
+            def col(name: str, ids: list[int] = ids) -> np.ndarray:
+                return np.array([[getattr(segments[i], name)] for i in ids], dtype=np.int64)
 
-                ids = np.array([segments.index(s) for s in members], dtype=np.int64)
-                self._groups.append(
-                    _Group(
-                        paged,
-                        merge,
-                        ids,
-                        col("device_ptr"),
-                        col("device_stride"),
-                        col("host_ptr"),
-                        col("host_stride"),
-                        col("row_bytes"),
-                    )
+            self._groups.append(
+                _Group(
+                    paged,
+                    merge,
+                    in_block,
+                    np.array(ids, dtype=np.int64),
+                    col("device_ptr"),
+                    col("device_stride"),
+                    col("host_ptr"),
+                    col("host_stride"),
+                    col("row_bytes"),
                 )
+            )
 
     def mem_rows(
         self,
         backup: bool,
         pages: tuple[IndexArray, IndexArray],
         slots: tuple[IndexArray, IndexArray],
+        skip_small: bool = False,
     ) -> MemRows:
         """Every copy of an operation as raw addresses (valid for CPU memory only).
 
         ``pages``/``slots`` are ``(device indices, host indices)``; ``backup`` copies device
         -> host, else host -> device. A few numpy calls per group of segments, whatever
-        the number of rows or layers.
+        the number of rows or layers. ``skip_small`` leaves out the segments that
+        :meth:`small_row_copies` covers.
         """
         counts = np.zeros(len(self.segments) + 1, dtype=np.int64)  # [0] stays 0
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for g in self._groups:
             dev_idx, host_idx = pages if g.paged else slots
-            if dev_idx.shape[0] == 0:
+            if dev_idx.shape[0] == 0 or (skip_small and g.in_block):
                 continue
             if g.merge:
                 runs = index_runs(dev_idx, host_idx)
@@ -231,3 +247,90 @@ class SegmentTable:
         order = np.argsort(seg, kind="stable")
         dst, src, size = (np.concatenate([p[k] for p in parts])[order] for k in (1, 2, 3))
         return MemRows(dst.tolist(), src.tolist(), size.tolist(), bounds)
+
+    def small_row_copies(
+        self,
+        backup: bool,
+        pages: tuple[IndexArray, IndexArray],
+        slots: tuple[IndexArray, IndexArray],
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """The rows of small-row segments as ``(dst, dst_rows, src, src_rows)``: one numpy
+        fancy copy ``dst[dst_rows] = src[src_rows]`` per block of segments (CPU memory)."""
+        out = []
+        for b in self._blocks:
+            dev_idx, host_idx = pages if b.paged else slots
+            if dev_idx.shape[0] == 0:
+                continue
+            dev = (b.dev_row0 + dev_idx * b.dev_step).ravel()
+            host = (b.host_row0 + host_idx * b.host_step).ravel()
+            out.append((b.host, host, b.dev, dev) if backup else (b.dev, dev, b.host, host))
+        return out
+
+
+#: Rows up to this size are copied by numpy fancy indexing in one call per block (a
+#: backup, where nothing is published layer by layer): below it, one ``memmove`` call
+#: costs more than the bytes it moves.
+SMALL_ROW_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """Small-row segments whose rows are elements of one array on each side: row ``i``
+    of segment ``j`` is ``dev[dev_row0[j] + i * dev_step[j]]`` (likewise for the host)."""
+
+    paged: bool
+    ids: np.ndarray
+    dev: np.ndarray
+    host: np.ndarray
+    dev_row0: np.ndarray
+    dev_step: np.ndarray
+    host_row0: np.ndarray
+    host_step: np.ndarray
+
+
+def _rows_of(buffer: tuple[int, int], row: int) -> np.ndarray:
+    """The allocation at ``buffer`` as a 1-D array of ``row``-byte elements (a view)."""
+    address, nbytes = buffer
+    raw = (ctypes.c_char * nbytes).from_address(address)
+    return np.frombuffer(memoryview(raw), dtype=np.dtype((np.void, row)), count=nbytes // row)
+
+
+def _small_row_blocks(segments: tuple[Segment, ...]) -> list[_Block]:
+    keys: dict[tuple[bool, tuple[int, int], tuple[int, int], int], list[int]] = {}
+    for i, s in enumerate(segments):
+        r = s.row_bytes
+        if not 0 < r <= SMALL_ROW_BYTES or s.device.device.type != "cpu":
+            continue
+        if not (s.device_buffer[1] and s.host_buffer[1]):
+            continue  # an empty pool: no rows to copy
+        offsets = (s.device_ptr - s.device_buffer[0], s.host_ptr - s.host_buffer[0])
+        if any(x % r for x in (*offsets, s.device_stride, s.host_stride)):
+            continue
+        keys.setdefault((s.paged, s.device_buffer, s.host_buffer, r), []).append(i)
+    return [
+        _block(paged, [segments[i] for i in ids], ids, dev_buf, host_buf, row)
+        for (paged, dev_buf, host_buf, row), ids in keys.items()
+    ]
+
+
+def _block(
+    paged: bool,
+    members: list[Segment],
+    ids: list[int],
+    dev_buf: tuple[int, int],
+    host_buf: tuple[int, int],
+    row: int,
+) -> _Block:
+    def col(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64)[:, None]
+
+    return _Block(
+        paged,
+        np.array(ids, dtype=np.int64),
+        _rows_of(dev_buf, row),
+        _rows_of(host_buf, row),
+        col([(s.device_ptr - dev_buf[0]) // row for s in members]),
+        col([s.device_stride // row for s in members]),
+        col([(s.host_ptr - host_buf[0]) // row for s in members]),
+        col([s.host_stride // row for s in members]),
+    )

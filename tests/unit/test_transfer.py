@@ -26,6 +26,7 @@ from mesh_hicache.transfer import (
     TransferKind,
     make_transfer_engine,
 )
+from mesh_hicache.transfer import segments as segments_module
 from mesh_hicache.transfer.cuda import CudaTransferEngine
 from mesh_hicache.transfer.segments import index_runs
 
@@ -401,12 +402,19 @@ def one_layer_spec() -> StateSpec:
 
 
 @pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
-def test_batched_random_ops_equal_naive_sequential_copies(make_spec):
+@pytest.mark.parametrize("small_rows", [True, False], ids=["numpy-small-rows", "memmove-only"])
+def test_batched_random_ops_equal_naive_sequential_copies(make_spec, small_rows, monkeypatch):
+    # These rows are all small (<= 64 B): backups copy them by numpy blocks unless the
+    # threshold is 0, which sends every row through memmove.
+    if not small_rows:
+        monkeypatch.setattr(segments_module, "SMALL_ROW_BYTES", 0)
     gen = torch.Generator().manual_seed(7)
     layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
     dev = DevicePools(layout, num_pages=16, num_slots=6)
     host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
     eng = CpuTransferEngine(dev, host)
+    # One block per pool buffer: kv (K and V of every layer), indexer, conv, ssm.
+    assert len(eng.segments._blocks) == (4 if small_rows else 0)
     randomize(dev, gen)
     for t in host_views(host).values():
         raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
