@@ -181,9 +181,7 @@ class RequestFlow:
         mamba_hit = None
         if lease.prefix_len and self._has_mamba:
             mamba_hit = "host" if load.slot is not None else "device"
-        self._stats.record_request(
-            len(lease.key), lease.served, lease.hit.raw_kv_tokens, mamba_hit
-        )
+        self._stats.record_request(len(lease.key), lease.served, lease.hit.raw_kv_tokens, mamba_hit)
         return lease.prefix_len
 
     def alloc_pages(self, lease: RequestLease, n: int) -> list[int]:
