@@ -47,7 +47,8 @@ Respond = Callable[[tuple[int, ...], int], Sequence[int]]
 class TraceRequest:
     """One request of a trace: the full prompt and the reply, in token ids."""
 
-    session_id: int
+    session_id: int | str
+    """Generated traces number sessions 0, 1, ...; other traces may name them."""
     turn: int
     input_tokens: tuple[int, ...]
     output_tokens: tuple[int, ...]
@@ -287,8 +288,8 @@ def _ids(value: object, what: str, line: int) -> tuple[int, ...]:
 def read_jsonl(path: str) -> Iterator[TraceRequest]:
     """The requests of a JSONL trace, in file order.
 
-    Required keys: ``session_id``, ``input_tokens`` (non-empty), ``output_tokens``
-    (non-empty); ``turn`` is optional (0). ``ValueError`` names the bad line.
+    Required keys: ``session_id`` (an int or a string), ``input_tokens`` (non-empty),
+    ``output_tokens`` (non-empty); ``turn`` is optional (0). ``ValueError`` names the bad line.
     """
     with open(path) as f:
         for i, line in enumerate(f, start=1):
@@ -309,4 +310,7 @@ def read_jsonl(path: str) -> Iterator[TraceRequest]:
                 raise ValueError(
                     f"{path} line {i}: input_tokens and output_tokens must be non-empty"
                 )
-            yield TraceRequest(int(obj["session_id"]), int(obj.get("turn", 0)), inputs, outputs)
+            session = obj["session_id"]
+            if type(session) not in (int, str):
+                raise ValueError(f"{path} line {i}: session_id must be an int or a string")
+            yield TraceRequest(session, int(obj.get("turn", 0)), inputs, outputs)

@@ -63,10 +63,10 @@ def one_torch_thread():
 
 
 def _engine_trace(
-    topology: MeshTopology, shape: str, config: HiCacheConfig
+    topology: MeshTopology, shape: str, config: HiCacheConfig, layer_pattern: str = "SSASSSAS"
 ) -> tuple[list[TraceRequest], list[tuple[int, int, int]], HiCache]:
     """The trace with the engine's own greedy replies, and what the engine reused."""
-    model_config = preset("tiny")
+    model_config = preset("tiny", layer_pattern=layer_pattern)
     model = HybridModel(model_config, topology, page_size=PAGE)
     cache = HiCache(topology, model_config.state_spec(PAGE), config)
     engine = Engine(model, cache)
@@ -103,6 +103,20 @@ def test_replay_reuses_what_the_engine_reuses(topology, shape, config_name):
         assert stats.hit_tokens_host > 0
     for cache in (engine_cache, replay_cache):
         cache.check_integrity()
+        cache.close()
+
+
+def test_replay_without_ssm_layers_reuses_what_the_engine_reuses(topology):
+    # An attention-only model: no checkpoints, the engine inserts whole pages instead.
+    config = CONFIGS["l1"]
+    trace, want, engine_cache = _engine_trace(topology, "chat", config, layer_pattern="AA")
+    replay_cache = HiCache(topology, tiny_spec(PAGE, has_mamba=False), config)
+    player = Replayer(replay_cache)
+    got = [player.serve(r.input_tokens, r.output_tokens).reused for r in trace]
+    assert got == want and sum(sum(w) for w in want) > 0
+    assert replay_cache.digest() == engine_cache.digest()
+    assert engine_cache.stats().evicted_device_pages > 0
+    for cache in (engine_cache, replay_cache):
         cache.close()
 
 

@@ -122,6 +122,12 @@ def test_jsonl_round_trip_and_errors(tmp_path):
     bad.write_text('{"session_id": 0, "input_tokens": [1]}\n')
     with pytest.raises(ValueError, match="line 1: missing keys \\['output_tokens'\\]"):
         list(read_jsonl(str(bad)))
+    named = tmp_path / "named.jsonl"
+    named.write_text('{"session_id": "a", "input_tokens": [1], "output_tokens": [2]}\n')
+    assert list(read_jsonl(str(named))) == [TraceRequest("a", 0, (1,), (2,))]
+    bad.write_text('{"session_id": [0], "input_tokens": [1], "output_tokens": [3]}\n')
+    with pytest.raises(ValueError, match="session_id must be"):
+        list(read_jsonl(str(bad)))
     bad.write_text('{"session_id": 0, "input_tokens": [1, -2], "output_tokens": [3]}\n')
     with pytest.raises(ValueError, match="input_tokens must be a list"):
         list(read_jsonl(str(bad)))
