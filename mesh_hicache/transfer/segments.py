@@ -174,6 +174,8 @@ class SegmentTable:
         # First segment of each layer position (segments are layer-major), then the end.
         sizes = [len(ids) for ids in self.by_layer]
         self._layer_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        self._page_bytes = sum(s.row_bytes for s in segments if s.paged)
+        self._slot_bytes = sum(s.row_bytes for s in segments if not s.paged)
         self._blocks = _small_row_blocks(segments)
         small = {int(i) for b in self._blocks for i in b.ids}
         # Segments grouped by (index kind, mergeable, in a small-row block); ids ascending
@@ -204,6 +206,12 @@ class SegmentTable:
                     col("row_bytes"),
                 )
             )
+
+    def op_bytes(
+        self, pages: tuple[IndexArray, IndexArray], slots: tuple[IndexArray, IndexArray]
+    ) -> int:
+        """Bytes an operation with these indices moves (one direction)."""
+        return pages[0].shape[0] * self._page_bytes + slots[0].shape[0] * self._slot_bytes
 
     def mem_rows(
         self,

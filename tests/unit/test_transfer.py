@@ -26,6 +26,7 @@ from mesh_hicache.transfer import (
     TransferKind,
     make_transfer_engine,
 )
+from mesh_hicache.transfer import cpu as cpu_module
 from mesh_hicache.transfer import segments as segments_module
 from mesh_hicache.transfer.cuda import CudaTransferEngine
 from mesh_hicache.transfer.segments import index_runs
@@ -151,7 +152,8 @@ def test_round_trip_is_bit_exact_in_random_orders(runs):
         ]
 
 
-def test_load_goes_layer_by_layer():
+def test_load_goes_layer_by_layer(monkeypatch):
+    monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", 0)  # this small load too
     gen = torch.Generator().manual_seed(1)
     dev, host, eng = make()
     randomize(dev, gen)
@@ -402,12 +404,13 @@ def one_layer_spec() -> StateSpec:
 
 
 @pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
-@pytest.mark.parametrize("small_rows", [True, False], ids=["numpy-small-rows", "memmove-only"])
+@pytest.mark.parametrize("small_rows", [True, False], ids=["one-pass-numpy", "layer-wise-memmove"])
 def test_batched_random_ops_equal_naive_sequential_copies(make_spec, small_rows, monkeypatch):
-    # These rows are all small (<= 64 B): backups copy them by numpy blocks unless the
-    # threshold is 0, which sends every row through memmove.
+    # These rows and ops are all small: copied in one pass, by numpy blocks, unless both
+    # thresholds are 0, which sends every row through memmove and loads layer by layer.
     if not small_rows:
         monkeypatch.setattr(segments_module, "SMALL_ROW_BYTES", 0)
+        monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", 0)
     gen = torch.Generator().manual_seed(7)
     layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
     dev = DevicePools(layout, num_pages=16, num_slots=6)
@@ -645,3 +648,30 @@ def test_cuda_engine_copy_plan_equals_naive_copies(cuda_engine_on_cpu, make_spec
     tallest = max(h for _, h in calls)
     assert tallest >= 3 if staging_bytes > 1 else tallest < 3
     assert {kind for kind, _ in calls} == {1, 2}
+
+
+@pytest.mark.parametrize("single_pass_bytes", [0, 1 << 30], ids=["layer-wise", "one-pass"])
+def test_small_loads_are_published_at_once(monkeypatch, single_pass_bytes):
+    monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", single_pass_bytes)
+    gen = torch.Generator().manual_seed(4)
+    dev, host, eng = make()
+    randomize(dev, gen)
+    before = snapshot(dev)
+    assert eng.backup(([1, 2, 3], [4, 5, 6]), ([0], [1])).wait()
+    published = []
+    original = eng._layer_ready
+
+    def observe(op, position):
+        published.append(position)
+        original(op, position)
+
+    eng._layer_ready = observe  # type: ignore[method-assign]
+    h = eng.load(([7, 8, 9], [4, 5, 6]), ([2], [1]))
+    assert h.wait() and all(h.wait_layer(layer) for layer in LAYERS)
+    assert published == ([len(LAYERS) - 1] if single_pass_bytes else list(range(len(LAYERS))))
+    for (name, layer), t in tensors(dev).items():
+        if name in ("conv", "ssm"):
+            assert same_bits(t[2], before[(name, layer)][0])
+        else:
+            assert same_bits(t[[7, 8, 9]], before[(name, layer)][[1, 2, 3]])
+    eng.close()
