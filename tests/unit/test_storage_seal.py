@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mesh_hicache.layout import GlobalSlice
-from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey, make_storage
+from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey, make_storage, open_storage
 from mesh_hicache.storage.base import load_secret
 from mesh_hicache.storage.keys import (
     FLAG_MAC,
@@ -155,3 +155,16 @@ def test_secret_file_option(tmp_path):
     assert same.get_one(key(1), torch.empty_like(page(1)))
     with pytest.raises(ValueError):
         FileStorage(tmp_path / "l3", secret_file=tmp_path / "nope")
+
+
+def test_open_storage_checks_the_secret_at_once(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        open_storage("file", root=str(tmp_path / "l3"), secret_file=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="at least"):
+        open_storage("file", root=str(tmp_path / "l3"), secret=b"short")
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET)
+    guard = open_storage("file", root=str(tmp_path / "l3"), secret_file=str(f))
+    assert guard.put_one(key(1), page(1)) and not guard.degraded
+    assert isinstance(guard.backend, FileStorage) and guard.backend.codec.keyed
+    guard.close()
