@@ -96,15 +96,21 @@ def attend(
 
 def attend_causal(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float) -> Tensor:
     """Attention of ``q`` ``[T, H, E]`` at positions ``offset..offset+T-1`` over keys at
-    ``0..L-1`` (float32 ``[T, H, E]``), through the fused SDPA kernel."""
-    rep = q.shape[1] // k.shape[1]
+    ``0..L-1`` (float32 ``[T, H, E]``), through the fused SDPA kernel (GQA without
+    copying K/V per query head; no mask tensor when the queries are all the keys)."""
     t, length = q.shape[0], k.shape[0]
-    qf = q.float().transpose(0, 1)
-    kf = k.float().repeat_interleave(rep, dim=1).transpose(0, 1)
-    vf = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
-    pos = torch.arange(offset, offset + t, device=q.device)
-    mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
-    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
+    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    if offset == 0 and length == t:
+        out = F.scaled_dot_product_attention(
+            qf, kf, vf, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    else:
+        pos = torch.arange(offset, offset + t, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]
+        out = F.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
     return out.transpose(0, 1)
 
 
@@ -328,10 +334,7 @@ class Mamba2:
         conv = causal_conv(xbc, window, self.conv_w, self.conv_b).float()
         conv = conv.view(t, gs, self.sizes[1] // gs)
         xs, B, C = conv.split([s // gs * p, n, n], dim=-1)
-        xs = xs.reshape(t, s, p)
-        if gs != s:
-            B = B.repeat_interleave(s // gs, dim=1)
-            C = C.repeat_interleave(s // gs, dim=1)
+        xs = xs.reshape(t, s, p)  # B, C stay per group [T, Gs, N]: the scan shares them
         dt = F.softplus(dt_raw.float() + self.dt_bias)  # [T, S]
         dt = dt.clamp(self.dt_min, self.dt_max)
         A = -torch.exp(self.a_log)

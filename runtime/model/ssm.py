@@ -78,10 +78,15 @@ def chunked_scan(
 ) -> ScanResult:
     """The same recurrence, ``chunk`` tokens at a time (quadratic within a chunk).
 
-    Shapes as :func:`naive_scan`. Within a chunk, with ``L_t`` the cumulative log decay,
-    ``y_t = sum_{s<=t} exp(L_t - L_s) dt_s (C_t . B_s) x_s + exp(L_t) S_0 @ C_t``; the
-    state then moves to the chunk's end and carries into the next.
+    Shapes as :func:`naive_scan`, except that ``B``/``C`` may be per group ``[T, G, N]``
+    (G divides H; heads ``[g*H/G, (g+1)*H/G)`` share group g), which is computed once
+    per group rather than repeated per head. Within a chunk, with ``L_t`` the cumulative
+    log decay, ``y_t = sum_{s<=t} exp(L_t - L_s) dt_s (C_t . B_s) x_s + exp(L_t) S_0 @ C_t``;
+    the state then moves to the chunk's end and carries into the next.
     """
+    h, p = x.shape[1], x.shape[2]
+    g, n = B.shape[1], B.shape[2]
+    k = h // g
     ys = []
     for start in range(0, x.shape[0], chunk):
         sl = slice(start, start + chunk)
@@ -92,13 +97,15 @@ def chunked_scan(
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         # Mask before exp: the upper triangle's differences are positive and may overflow.
         decay = torch.exp(diff.masked_fill(~causal[:, :, None], float("-inf")))
-        scores = torch.einsum("thn,shn->tsh", Cc, Bc) * decay * dtc[None, :, :]
-        y = torch.einsum("tsh,shp->thp", scores, xc)
-        y = y + torch.exp(cum)[:, :, None] * torch.einsum("hpn,thn->thp", state, Cc)
-        to_end = torch.exp(cum[-1][None, :] - cum) * dtc  # [L, H]
-        state = torch.exp(cum[-1])[:, None, None] * state + torch.einsum(
-            "sh,shp,shn->hpn", to_end, xc, Bc
-        )
+        cb = torch.einsum("tgn,sgn->tsg", Cc, Bc)
+        if k > 1:
+            cb = cb.repeat_interleave(k, dim=2)
+        y = torch.einsum("tsh,shp->thp", cb * decay * dtc[None, :, :], xc)
+        y0 = torch.einsum("gkpn,tgn->tgkp", state.view(g, k, p, n), Cc).reshape(length, h, p)
+        y = y + torch.exp(cum)[:, :, None] * y0
+        to_end = (torch.exp(cum[-1][None, :] - cum) * dtc).view(length, g, k)
+        update = torch.einsum("sgk,sgkp,sgn->gkpn", to_end, xc.view(length, g, k, p), Bc)
+        state = torch.exp(cum[-1])[:, None, None] * state + update.reshape(h, p, n)
         ys.append(y)
     y = torch.cat(ys) if ys else x.new_zeros(x.shape)
     return ScanResult(y, state)
@@ -131,10 +138,15 @@ def combine_chunk_states(log_decays: Tensor, local_states: Tensor, carried: Tens
 
 
 def prefix_correction(dt: Tensor, A: Tensor, C: Tensor, entering: Tensor) -> Tensor:
-    """What a chunk's outputs gain from the state entering it: ``[T, H, P]``.
+    """What a chunk's outputs gain from the state entering it: ``[T, H, P]`` (``C`` per
+    head ``[T, H, N]`` or per group ``[T, G, N]``).
 
     Adding this to a scan from zero gives the scan from ``entering`` (exact, by linearity):
     ``y_t += exp(sum_{s<=t} dt_s A) * entering @ C_t``.
     """
     cum = torch.cumsum(dt * A, dim=0)
-    return torch.exp(cum)[:, :, None] * torch.einsum("hpn,thn->thp", entering, C)
+    (t, h), (g, n) = dt.shape, C.shape[1:]
+    p = entering.shape[1]
+    per_group = entering.view(g, h // g, p, n)
+    out = torch.einsum("gkpn,tgn->tgkp", per_group, C).reshape(t, h, p)
+    return torch.exp(cum)[:, :, None] * out
