@@ -171,10 +171,19 @@ class Replayer:
     ``flush_each``: wait for every device -> host backup after each request, so the
     result does not depend on the copy thread's timing (the engine test does the same
     between engine requests).
+
+    Probes of issue 16 (what the engine does *not* do yet; off by default, and then the
+    replay no longer equals the engine): ``fit_first`` serves a request that needs more
+    pages than L1 has in total uncached without asking for pages (so it evicts nothing;
+    item 3); ``decode_first`` skips the prompt-end checkpoints when decoding will reach
+    a page boundary and write the checkpoint the next turn reuses (item 2; branch-point
+    checkpoints stay).
     """
 
     cache: HiCache
     flush_each: bool = True
+    fit_first: bool = False
+    decode_first: bool = False
 
     def serve(self, prompt: Sequence[int], output: Sequence[int], namespace: str = "") -> Served:
         """The cache calls of ``Engine.serve(prompt)`` when it generates ``output``
@@ -201,19 +210,26 @@ class Replayer:
         hit, reused = req.hit, req.served
         total_pages = -(-(n + len(output)) // ps)
         pages: list[int] | None = None
-        try:
-            new = cache.alloc_pages(req, total_pages - prefix // ps)
-            pages = req.prefix_pages[: prefix // ps] + new
-        except CacheFull:
-            pass  # Longer than L1 can hold: the engine serves it uncached.
+        if not (self.fit_first and total_pages > cache.config.device_pages):
+            try:
+                new = cache.alloc_pages(req, total_pages - prefix // ps)
+                pages = req.prefix_pages[: prefix // ps] + new
+            except CacheFull:
+                pass  # Longer than L1 can hold: the engine serves it uncached.
+        # decode_first probe: decoding reaches a boundary in (n, n + len(output) - 1].
+        skip_end = self.decode_first and (n + len(output) - 1) // ps > n // ps
+        branch = hit.raw_kv_tokens if prefix < hit.raw_kv_tokens < n else None
         stops = set()
         if has_mamba:
-            if prefix < hit.raw_kv_tokens < n:
-                stops.add(hit.raw_kv_tokens)
-            stops.add((n - 1) // ps * ps)
+            if branch is not None:
+                stops.add(branch)
+            if not skip_end:
+                stops.add((n - 1) // ps * ps)
         stops = {s for s in stops if prefix < s <= n} | {n}
         checkpoints: list[_Checkpoint] = []
         for stop in sorted(stops):
+            if skip_end and stop == n and stop != branch:
+                continue
             if stop % ps == 0 and has_mamba and pages is not None:
                 cp = self._checkpoint(req, stop)
                 if cp is not None:

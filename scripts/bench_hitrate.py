@@ -86,6 +86,16 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="fraction of each budget for state checkpoints (default: HiCacheConfig's rule)",
     )
+    p.add_argument(
+        "--probe-fit-first",
+        action="store_true",
+        help="probe of issue 16 item 3: a request larger than L1 evicts nothing (not the engine)",
+    )
+    p.add_argument(
+        "--probe-decode-first",
+        action="store_true",
+        help="probe of issue 16 item 2: no prompt-end checkpoint when decode writes one",
+    )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines")
     p.add_argument("--json", default=None, metavar="OUT", help="write the result here")
@@ -135,7 +145,7 @@ def replay(
         args.state_share,
     )
     cfg = cache.config
-    player = Replayer(cache)
+    player = Replayer(cache, fit_first=args.probe_fit_first, decode_first=args.probe_decode_first)
     input_tokens = reused_total = uncached = checkpoints = 0
     flops_total = 0
     tier_tokens = dict.fromkeys(TIERS, 0)

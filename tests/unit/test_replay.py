@@ -209,3 +209,36 @@ def test_share_split_gives_states_their_share():
         share_split(10**10, pb, sb, 1.0)
     with pytest.raises(ValueError, match="0 states"):
         share_split(10**9, pb, sb, 0.01)
+
+
+def test_fit_first_probe_keeps_the_cache_when_a_request_cannot_fit(topology):
+    config = HiCacheConfig(device_pages=8, device_mamba_slots=4, enable_host=False)
+    first = list(range(1, 61))
+    reused = {}
+    for fit_first in (False, True):
+        cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
+        player = Replayer(cache, fit_first=fit_first)
+        player.serve(first, [61, 62, 63, 64])
+        huge = player.serve(list(range(1000, 1200)), [1])  # 13 pages > 8: never fits
+        assert not huge.paged
+        reused[fit_first] = player.serve(first + [61, 62, 63, 64, 65], [1]).reused_tokens
+        cache.close()
+    # Today the hopeless request evicts everything first (issue 16 item 3); the probe not.
+    assert reused == {False: 0, True: 48}
+
+
+def test_decode_first_probe_drops_the_prompt_end_checkpoint(topology):
+    prompt, output = list(range(1, 41)), list(range(100, 130))  # decode reaches 48 and 64
+    for decode_first, checkpoints in ((False, 2), (True, 1)):
+        cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), CONFIGS["l1"])
+        player = Replayer(cache, decode_first=decode_first)
+        assert player.serve(prompt, output).checkpoints == checkpoints
+        # The next turn reuses the decode checkpoint either way.
+        assert player.serve(prompt + output + [7, 8], [1]).reused_tokens == 64
+        cache.close()
+    # Without a decode boundary ahead the prompt-end checkpoint stays.
+    cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), CONFIGS["l1"])
+    player = Replayer(cache, decode_first=True)
+    assert player.serve(prompt, [1, 2]).checkpoints == 1
+    assert player.serve(prompt + [1, 2, 3], [1]).reused_tokens == 32
+    cache.close()
