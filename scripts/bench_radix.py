@@ -15,8 +15,10 @@ fresh list of fresh ints per request and tree, as a tokenizer returns them):
   (a pool of ``--pages`` pages: the tree is held at that size), timed per call.
 
 Both trees (OLD: the radix package at ``--old-rev``, extracted from git into a temp dir at
-run time; NEW: this checkout) see the same requests; their operations alternate (A/B,
-which one goes first flips every request) so load on the machine hits both alike. The
+run time; NEW: this checkout) see the same requests, alternating A/B in blocks of
+``--block`` requests (which one goes first flips every block), so load on the machine hits
+both alike while one tree's memory traffic does not evict the other's working set at
+every operation (``--block 1`` alternates op by op). The
 process is pinned to one CPU, ops are timed in thread CPU time by default (``--clock``), and
 the trees are filled to their size before timing starts; then the filled state is frozen
 (``gc.freeze()``) and the collector runs between requests, never inside a timed op (an
@@ -135,7 +137,9 @@ class Side:
         self.mamba = args.mamba
         self.tree = mod.RadixTree(self.ps, has_mamba=args.mamba)
         self.pages = Pool(args.pages)
-        self.slots = Pool(max(args.pages // 8, 4))
+        # Twice the states of the turns that fit in the pages: the page pool binds first.
+        turn_tokens = args.user_tokens + args.reply_tokens
+        self.slots = Pool(max(4, 2 * args.pages * self.ps // turn_tokens))
         self.times: dict[str, list[int]] = {
             op: [] for op in ("match", "match_key", "insert", "evict", "evict_m")
         }
@@ -239,13 +243,15 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     gc.disable()  # collections run between requests (below), never inside a timed op
     for s in sides:
         s.hit_tokens = 0
-    for i in range(args.requests):
-        prompt, reply = work.next()
-        order = sides if i % 2 == 0 else sides[::-1]
+    done = 0
+    while done < args.requests:
+        block = [work.next() for _ in range(min(args.block, args.requests - done))]
+        order = sides if (done // args.block) % 2 == 0 else sides[::-1]
         for side in order:
-            side.request(prompt, reply, record=True)
-        if i % 32 == 31:
+            for prompt, reply in block:
+                side.request(prompt, reply, record=True)
             gc.collect(1)
+        done += len(block)
     gc.enable()
     out: dict[str, Any] = {"page_size": args.page_size, "pages": args.pages, "fill_requests": fill}
     for side in sides:
@@ -320,6 +326,12 @@ def main() -> None:
     p.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--requests", type=int, default=1500, help="timed requests per config")
     p.add_argument("--warmup", type=int, default=200, help="untimed requests after the fill")
+    p.add_argument(
+        "--block",
+        type=int,
+        default=16,
+        help="A/B unit: both trees run the same block of requests, in alternating order",
+    )
     p.add_argument("--systems", type=int, default=16, help="distinct shared system prompts")
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--user-tokens", type=int, default=250)

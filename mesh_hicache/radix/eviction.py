@@ -2,7 +2,7 @@
 
 A policy ranks eviction candidates; the tree decides which nodes are candidates (unlocked,
 unprotected, no dependent children on that tier) and what evicting one means. The tree
-keeps one indexed heap per target (``queues.EvictionQueues``) keyed by the priority the
+keeps one sorted queue per target (``queues.EvictionQueues``) keyed by the priority the
 policy gives a node's ``NodeStats``, so a priority must be a function of those stats
 only, never of the current clock or of other nodes. "Age" is therefore expressed as
 ``last_access`` (a logical clock value; smaller is older).
@@ -11,7 +11,7 @@ Touches are cheap: a match or insert only stores the node's new ``last_access`` 
 ``hit_count``. A policy whose priority never decreases when those grow (``monotone``,
 the default; true of LRU and LFU) lets the tree re-rank a touched node lazily, when it
 reaches the top of a queue. A policy that sets ``monotone = False`` is re-ranked on every
-touch instead (correct, but a touch then costs O(log candidates) per node).
+touch instead (correct, but a touch then costs a queue update per node).
 
 Determinism: every rank of the mesh runs the same tree operations and must evict the
 same nodes, so priorities must be deterministic (no wall-clock time, no ``hash()``).

@@ -162,4 +162,6 @@ def check_integrity(tree: RadixTree, pools: dict[str, PoolUsage | None]) -> None
     for name, (cached, actual) in totals.items():
         if cached != actual:
             _fail(f"cached {name}={cached} but the tree holds {actual}")
+    for problem in tree._queues.order_problems():
+        _fail(problem)
     _check_pools(owners, pools)

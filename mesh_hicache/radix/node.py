@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mesh_hicache.radix.hashing import packed_page_hashes, unpack_tokens
 
@@ -62,7 +63,7 @@ class TreeNode:
         "num_device_children",
         "alive",
         "is_sentinel",
-        "queue_pos",
+        "queue_entry",
     )
 
     def __init__(
@@ -100,8 +101,8 @@ class TreeNode:
         """Children that hold a device copy (device eviction takes device leaves only)."""
         self.alive = True
         self.is_sentinel = is_sentinel
-        self.queue_pos = [-1, -1, -1, -1]
-        """Position in each eviction queue (``queues.EvictionQueues``), -1 when absent."""
+        self.queue_entry: list[tuple[Any, ...] | None] = [None, None, None, None]
+        """The node's entry in each eviction queue (``queues.EvictionQueues``), or None."""
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """Eviction candidate queues of the radix tree (DESIGN.md section 5).
 
-One indexed min-heap per ``EvictTarget`` holds exactly the nodes that are candidates for
-that target right now, each once (its position lives in ``node.queue_pos``), so a queue
-never holds a stale entry and every operation is O(log candidates):
+One sorted queue per ``EvictTarget`` holds exactly the nodes that are candidates for that
+target right now, each once (its entry lives in ``node.queue_entry``), so a queue never
+holds a stale entry and no operation walks the tree:
 
 - ``DEVICE_KV``: it has a device copy, is unlocked and has no child on device;
 - ``HOST_KV``: it has a host copy, is not host-protected, and either also has a device
@@ -10,25 +10,33 @@ never holds a stale entry and every operation is O(log candidates):
 - ``MAMBA_DEVICE``: it has a device state and is unlocked;
 - ``MAMBA_HOST``: it has a host state and is not host-protected.
 
-The key of an entry is ``(*policy.priority(stats, target), node.id)``. A touch (match or
-insert through a node) only stores the node's new ``last_access``/``hit_count``: for a
-policy whose priority never decreases on a touch (``EvictionPolicy.monotone``, true for
-LRU and LFU) a stored key is a lower bound of the node's current key, so ``pop`` re-keys
-the top until the top's stored key is current, which makes it the true minimum. The tree
-calls ``update(node)`` after every other change that may alter candidacy or priority.
+An entry is ``(*policy.priority(stats, target), node.id, node)`` (ids are unique, so two
+entries never compare their nodes). A queue is a list of sorted runs of at most
+``2 * _RUN`` entries with each run's last entry in ``maxes``: add, remove and first are a
+C bisect plus a memmove of at most one run, so their cost stays flat as the tree grows
+(a Python binary heap pays one interpreted step per level instead).
+
+A touch (match or insert through a node) only stores the node's new ``last_access`` /
+``hit_count``: for a policy whose priority never decreases on a touch
+(``EvictionPolicy.monotone``, true for LRU and LFU) a stored key is a lower bound of the
+node's current key, so ``pop`` re-keys the first entry until its stored key is current,
+which makes it the true minimum. The tree calls ``update(node)`` after every other change
+that may alter candidacy or priority.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from bisect import bisect_left, insort
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from mesh_hicache.radix.eviction import EvictionPolicy, EvictTarget, NodeStats
 
 if TYPE_CHECKING:
     from mesh_hicache.radix.node import TreeNode
 
-Key = tuple[int | float, ...]
-#: Queue order: ``node.queue_pos[i]`` is the position in the queue of ``TARGETS[i]``.
+Entry = tuple[Any, ...]
+#: Queue order: ``node.queue_entry[i]`` is the node's entry in the queue of ``TARGETS[i]``.
 TARGETS = (
     EvictTarget.DEVICE_KV,
     EvictTarget.HOST_KV,
@@ -59,75 +67,62 @@ def is_candidate(node: TreeNode, target: EvictTarget) -> bool:
     return candidacy(node)[TARGETS.index(target)]
 
 
-class _Heap:
-    """An indexed binary min-heap of nodes; positions are kept in ``node.queue_pos[q]``."""
+_RUN = 256
 
-    __slots__ = ("q", "nodes", "keys")
 
-    def __init__(self, q: int) -> None:
-        self.q = q
-        self.nodes: list[TreeNode] = []
-        self.keys: list[Key] = []
+class _SortedEntries:
+    """Entries in ascending order, as sorted runs (``runs``) with their last entries
+    (``maxes``): bisect to the run, bisect inside it."""
 
-    def push(self, node: TreeNode, key: Key) -> None:
-        self.nodes.append(node)
-        self.keys.append(key)
-        self._up(len(self.nodes) - 1)
+    __slots__ = ("runs", "maxes", "size")
 
-    def rekey(self, node: TreeNode, key: Key) -> None:
-        i = node.queue_pos[self.q]
-        old = self.keys[i]
-        self.keys[i] = key
-        if key < old:
-            self._up(i)
-        elif old < key:
-            self._down(i)
+    def __init__(self) -> None:
+        self.runs: list[list[Entry]] = []
+        self.maxes: list[Entry] = []
+        self.size = 0
 
-    def remove(self, node: TreeNode) -> None:
-        q = self.q
-        i = node.queue_pos[q]
-        node.queue_pos[q] = -1
-        last_node, last_key = self.nodes.pop(), self.keys.pop()
-        if i == len(self.nodes):
+    def add(self, entry: Entry) -> None:
+        runs, maxes = self.runs, self.maxes
+        self.size += 1
+        if not maxes:
+            runs.append([entry])
+            maxes.append(entry)
             return
-        self.nodes[i] = last_node
-        self.keys[i] = last_key
-        last_node.queue_pos[q] = i
-        self._up(i)
-        self._down(last_node.queue_pos[q])
+        i = bisect_left(maxes, entry)
+        if i == len(maxes):
+            i -= 1
+            run = runs[i]
+            run.append(entry)
+            maxes[i] = entry
+        else:
+            run = runs[i]
+            insort(run, entry)
+        if len(run) > 2 * _RUN:
+            runs.insert(i + 1, run[_RUN:])
+            del run[_RUN:]
+            maxes.insert(i + 1, maxes[i])
+            maxes[i] = run[-1]
 
-    def _up(self, i: int) -> None:
-        nodes, keys, q = self.nodes, self.keys, self.q
-        node, key = nodes[i], keys[i]
-        while i:
-            p = (i - 1) >> 1
-            if not key < keys[p]:
-                break
-            moved = nodes[p]
-            nodes[i], keys[i] = moved, keys[p]
-            moved.queue_pos[q] = i
-            i = p
-        nodes[i], keys[i] = node, key
-        node.queue_pos[q] = i
+    def remove(self, entry: Entry) -> None:
+        maxes = self.maxes
+        i = bisect_left(maxes, entry)
+        run = self.runs[i]
+        j = bisect_left(run, entry)
+        assert run[j] is entry, "queue entry missing"
+        del run[j]
+        self.size -= 1
+        if not run:
+            del self.runs[i]
+            del maxes[i]
+        elif j == len(run):
+            maxes[i] = run[-1]
 
-    def _down(self, i: int) -> None:
-        nodes, keys, q = self.nodes, self.keys, self.q
-        n = len(nodes)
-        node, key = nodes[i], keys[i]
-        while True:
-            c = 2 * i + 1
-            if c >= n:
-                break
-            if c + 1 < n and keys[c + 1] < keys[c]:
-                c += 1
-            if not keys[c] < key:
-                break
-            moved = nodes[c]
-            nodes[i], keys[i] = moved, keys[c]
-            moved.queue_pos[q] = i
-            i = c
-        nodes[i], keys[i] = node, key
-        node.queue_pos[q] = i
+    def first(self) -> Entry | None:
+        return self.runs[0][0] if self.runs else None
+
+    def __iter__(self) -> Iterator[Entry]:
+        for run in self.runs:
+            yield from run
 
 
 class EvictionQueues:
@@ -135,76 +130,104 @@ class EvictionQueues:
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
-        self._heaps = tuple(_Heap(q) for q in range(len(TARGETS)))
+        self._queues = tuple(_SortedEntries() for _ in TARGETS)
 
-    def key(self, node: TreeNode, target: EvictTarget) -> Key:
-        """The node's current queue key for ``target``."""
+    def entry(self, node: TreeNode, target: EvictTarget) -> Entry:
+        """The node's current queue entry for ``target``."""
         stats = NodeStats(node.last_access, node.hit_count, node.num_tokens, node.has_mamba_state)
-        return (*self.policy.priority(stats, target), node.id)
+        return (*self.policy.priority(stats, target), node.id, node)
 
     def update(self, node: TreeNode) -> None:
         """Make ``node``'s membership and keys match its current state (after a change)."""
-        pos = node.queue_pos
+        held = node.queue_entry
         stats: NodeStats | None = None
         for q, wanted in enumerate(candidacy(node)):
+            old = held[q]
             if wanted:
                 if stats is None:
                     stats = NodeStats(
                         node.last_access, node.hit_count, node.num_tokens, node.has_mamba_state
                     )
-                key = (*self.policy.priority(stats, TARGETS[q]), node.id)
-                if pos[q] < 0:
-                    self._heaps[q].push(node, key)
-                else:
-                    self._heaps[q].rekey(node, key)
-            elif pos[q] >= 0:
-                self._heaps[q].remove(node)
+                new = (*self.policy.priority(stats, TARGETS[q]), node.id, node)
+                if old is not None:
+                    if old == new:
+                        continue
+                    self._queues[q].remove(old)
+                self._queues[q].add(new)
+                held[q] = new
+            elif old is not None:
+                self._queues[q].remove(old)
+                held[q] = None
 
     def remove(self, node: TreeNode) -> None:
         """Take ``node`` out of every queue (it is being removed from the tree)."""
-        for q, p in enumerate(node.queue_pos):
-            if p >= 0:
-                self._heaps[q].remove(node)
+        held = node.queue_entry
+        for q, old in enumerate(held):
+            if old is not None:
+                self._queues[q].remove(old)
+                held[q] = None
 
     def discard(self, node: TreeNode, target: EvictTarget) -> None:
         """Take ``node`` out of the ``target`` queue if it is there."""
         q = TARGETS.index(target)
-        if node.queue_pos[q] >= 0:
-            self._heaps[q].remove(node)
+        old = node.queue_entry[q]
+        if old is not None:
+            self._queues[q].remove(old)
+            node.queue_entry[q] = None
+
+    def holds(self, node: TreeNode, target: EvictTarget) -> bool:
+        """Whether ``node`` is in the ``target`` queue."""
+        return node.queue_entry[TARGETS.index(target)] is not None
 
     def pop(self, target: EvictTarget) -> TreeNode | None:
         """Remove and return the first candidate for ``target`` in policy order (ties by
         creation id); None when there is none."""
-        heap = self._heaps[TARGETS.index(target)]
-        while heap.nodes:
-            node = heap.nodes[0]
-            key = self.key(node, target)
-            if key == heap.keys[0]:
-                heap.remove(node)
+        q = TARGETS.index(target)
+        queue = self._queues[q]
+        while True:
+            first = queue.first()
+            if first is None:
+                return None
+            node: TreeNode = first[-1]
+            queue.remove(first)
+            current = self.entry(node, target)
+            if current == first:
+                node.queue_entry[q] = None
                 return node
-            heap.rekey(node, key)  # touched since it was keyed: a larger key, sift down
-        return None
+            queue.add(current)  # touched since it was keyed: a later place
+            node.queue_entry[q] = current
 
     def __len__(self) -> int:
-        return sum(len(h.nodes) for h in self._heaps)
+        return sum(queue.size for queue in self._queues)
 
     def problems(self, node: TreeNode) -> list[str]:
         """What is wrong with ``node``'s queue state (for ``check_integrity``)."""
         out = []
         for q, wanted in enumerate(candidacy(node)):
-            heap, i = self._heaps[q], node.queue_pos[q]
-            held = 0 <= i < len(heap.nodes) and heap.nodes[i] is node
+            held = node.queue_entry[q]
             target = TARGETS[q].value
-            if wanted != held or (i >= 0 and not held):
-                out.append(f"{target} candidate={wanted} but queue position {i}")
-            elif held:
-                key = self.key(node, TARGETS[q])
-                if key < heap.keys[i] or (not self.policy.monotone and key != heap.keys[i]):
-                    out.append(f"{target} queue key {heap.keys[i]} is ahead of {key}")
-                if i and heap.keys[i] < heap.keys[(i - 1) >> 1]:
-                    out.append(f"{target} queue order broken at position {i}")
+            if wanted != (held is not None):
+                out.append(f"{target} candidate={wanted} but queue entry {held!r}")
+            elif held is not None:
+                current = self.entry(node, TARGETS[q])
+                if current < held or (not self.policy.monotone and current != held):
+                    out.append(f"{target} queue key {held[:-1]} is ahead of {current[:-1]}")
+        return out
+
+    def order_problems(self) -> list[str]:
+        """Queues out of order, or holding entries of dead nodes (for ``check_integrity``)."""
+        out = []
+        for target, queue in zip(TARGETS, self._queues, strict=True):
+            entries = list(queue)
+            if entries != sorted(entries) or len(entries) != queue.size:
+                out.append(f"{target.value} queue is out of order")
+            if [run[-1] for run in queue.runs] != queue.maxes or not all(queue.runs):
+                out.append(f"{target.value} queue runs are inconsistent")
+            q = TARGETS.index(target)
+            if any(e[-1].queue_entry[q] is not e or not e[-1].alive for e in entries):
+                out.append(f"{target.value} queue holds an entry its node does not know")
         return out
 
     def sizes(self) -> dict[EvictTarget, int]:
         """Number of candidates per target."""
-        return {t: len(h.nodes) for t, h in zip(TARGETS, self._heaps, strict=True)}
+        return {t: q.size for t, q in zip(TARGETS, self._queues, strict=True)}

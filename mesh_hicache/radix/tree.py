@@ -14,9 +14,10 @@ decisions. Accesses advance a logical clock; eviction order comes from the polic
 node creation id as tie-breaker. Trees fed the same calls reach the same ``digest()``.
 
 Cost: match and insert do one dict lookup and one bytes comparison per node of the path
-(plus one XOR where a match ends inside a node) and never hash a page. Touching a node
-stores its clock value; eviction pops from indexed heaps that hold only live candidates
-(queues.py): O(log candidates) per victim, never O(tree).
+(plus a binary search over pages where a key ends or diverges inside a node) and never
+hash a page. Touching a node stores its clock value; eviction takes the first entry of
+sorted queues that hold only live candidates (queues.py): a few C bisects per victim,
+never O(tree).
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ class RadixTree(TreeCore):
             if node.host_indices is None and before_evict is not None:
                 before_evict(node)
                 queues.update(node)  # the callback may have changed what the node holds
-                if not (node.alive and node.queue_pos[0] >= 0):
+                if not (node.alive and queues.holds(node, EvictTarget.DEVICE_KV)):
                     continue
             if node.host_indices is not None:
                 freed.device.extend(self._detach(node, Tier.DEVICE, Family.KV))
@@ -305,7 +306,7 @@ class RadixTree(TreeCore):
             if node.mamba_host_slot is None and before_evict is not None:
                 before_evict(node)
                 self._queues.update(node)
-                if not (node.alive and node.queue_pos[2] >= 0):
+                if not (node.alive and self._queues.holds(node, EvictTarget.MAMBA_DEVICE)):
                     continue
             freed.mamba_device.extend(self._detach(node, Tier.DEVICE, Family.STATE))
             self._after_state_loss(node, freed)
@@ -373,7 +374,7 @@ class RadixTree(TreeCore):
         Checks structure (child keys, parent links, page counts, chained hashes where
         computed, one KV copy at least, device prefix-closure), protections (counts >= 0,
         parent >= child), that every page/slot is referenced by exactly one node, cached
-        totals, and that the eviction queues hold exactly the candidates, in heap order.
+        totals, and that the eviction queues hold exactly the candidates, in order.
         For each pool given, also that tree-owned + free + held indices are exactly
         ``range(capacity)``, disjointly. Read-only; O(tree tokens); for tests and debugging.
         """

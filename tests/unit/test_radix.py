@@ -525,3 +525,27 @@ def test_eviction_order_equals_brute_force_min(policy: EvictionPolicy) -> None:
         if step % 20 == 0:
             tree.check_integrity()
     tree.check_integrity()
+
+
+def test_sorted_queue_runs_split_and_drain() -> None:
+    # Many entries: runs split (more than 2 * _RUN) and empty runs go; order always holds.
+    from mesh_hicache.radix.queues import _RUN, _SortedEntries
+
+    rng = random.Random(5)
+    queue = _SortedEntries()
+    held: list[tuple[int, int, None]] = []
+    for i in range(6 * _RUN):
+        entry = (rng.randrange(50), i, None)
+        queue.add(entry)
+        held.append(entry)
+    assert len(queue.runs) > 2 and queue.size == len(held)
+    assert list(queue) == sorted(held)
+    for entry in rng.sample(held, len(held) // 2):
+        queue.remove(entry)
+        held.remove(entry)
+    assert list(queue) == sorted(held) and queue.maxes == [run[-1] for run in queue.runs]
+    while (first := queue.first()) is not None:
+        assert first == min(held)
+        queue.remove(first)
+        held.remove(first)
+    assert queue.size == 0 and queue.runs == [] and queue.maxes == []
