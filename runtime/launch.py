@@ -129,9 +129,9 @@ def init_mesh(
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # gloo notices a silent peer one or two of its timeouts after the wait began (measured
-    # with a SIGSTOPped rank: 1.0x or 2.0x, never more), so half the bound keeps every
-    # rank within ``timeout_s``.
-    timeout = timedelta(seconds=timeout_s / 2)
+    # with a SIGSTOPped rank: 1.0x or 2.0x, never more), so 0.45 of the bound keeps every
+    # rank within ``timeout_s``, with a tenth of it left for printing and exiting.
+    timeout = timedelta(seconds=timeout_s * 0.45)
     # Groups created without an explicit timeout (device-mesh sub-groups, the cache's
     # agreement groups) take torch's module default, 30 min: bound them too. This is the
     # one place that sets process-wide distributed state.

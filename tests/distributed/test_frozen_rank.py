@@ -17,7 +17,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 10.0
-SLACK_S = 5.0
+SLACK_S = 3.0
 """Process exit and this test's polling on a loaded 2-core machine (measured < 0.5 s)."""
 WORKLOAD = [
     "--cp",
