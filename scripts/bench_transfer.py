@@ -31,6 +31,7 @@ import argparse
 import ctypes
 import importlib
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -52,12 +53,22 @@ KiB, MiB = 1 << 10, 1 << 20
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def shuffled(fns: dict[str, Callable[[], None]], rep: int) -> list[tuple[str, Callable[[], None]]]:
+    """``fns`` in an order drawn afresh for each repeat (seeded): no function always runs
+    right after the same other one (the old engine's worker finishing its last op would
+    otherwise always slow down the same successor)."""
+    items = list(fns.items())
+    random.Random(rep).shuffle(items)
+    return items
+
+
 def timed(fns: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None]) -> dict:
     """Median seconds of each function; the functions alternate within every repeat so
-    that load from other processes hits all of them alike. One warm-up round first."""
+    that load from other processes hits all of them alike, in a shuffled order (see
+    :func:`shuffled`). One warm-up round first."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(repeats + 1):
-        for name, fn in fns.items():
+        for name, fn in shuffled(fns, rep):
             sync()
             start = time.perf_counter()
             fn()
@@ -74,7 +85,7 @@ def cpu_seconds(fns: dict[str, Callable[[], None]], repeats: int) -> dict:
     so it shows the per-operation work even on a loaded machine."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(repeats + 1):
-        for name, fn in fns.items():
+        for name, fn in shuffled(fns, rep):
             start = time.process_time()
             for _ in range(10):
                 fn()
