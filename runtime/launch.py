@@ -35,7 +35,7 @@ SECRET_FILE_ENV = "MESH_HICACHE_STORAGE_SECRET_FILE"
 
 _MESH_ERROR_MARKERS = (
     "timed out",
-    "timeout",
+    "application timeout",
     "connection closed",
     "connection reset",
     "connection refused",

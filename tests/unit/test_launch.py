@@ -48,3 +48,23 @@ def test_torchrun_prints_distinct_coordinates():
     assert proc.returncode == 0, proc.stderr
     triples = re.findall(r"\(pp, cp, tp\) = \((\d), (\d), (\d)\)", proc.stdout)
     assert sorted(triples) == [("0", "0", "0"), ("0", "0", "1"), ("1", "0", "0"), ("1", "0", "1")]
+
+
+def test_nonpositive_collective_timeout_is_a_clear_error():
+    proc = _run(sys.executable, "-m", "runtime.launch", "--collective-timeout-s", "0")
+    assert proc.returncode == 2 and "--collective-timeout-s must be > 0" in proc.stderr
+
+
+def test_mesh_failure_names_lost_peers_only():
+    import torch.distributed as dist
+
+    from runtime.launch import mesh_failure
+
+    line = mesh_failure(RuntimeError("[gloo.cc:78] Timed out waiting 4500ms for recv\nmore"))
+    assert line is not None and "dead or frozen" in line and "Timed out" in line
+    assert "\n" not in line
+    assert mesh_failure(dist.DistError("Connection closed by peer")) is not None
+    assert mesh_failure(RuntimeError("Connection reset by peer [127.0.0.1]:1234")) is not None
+    assert mesh_failure(ValueError("bad token 7")) is None
+    assert mesh_failure(RuntimeError("shape mismatch in layer 3")) is None
+    assert len(mesh_failure(RuntimeError("gloo " + "x" * 1000)) or "") < 320
