@@ -13,7 +13,8 @@ their ``config.json``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import hashlib
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -296,9 +297,30 @@ class ModelConfig:
             f"hybrid-v{self.vocab_size}-d{self.d_model}-{self.layer_pattern}"
             f"-h{self.num_heads}kv{self.num_kv_heads}x{self.head_dim}"
             f"-s{self.ssm_heads}x{self.ssm_head_dim}n{self.ssm_state_dim}k{self.conv_kernel}"
-            f"-{self.mlp_kind}{self.mlp_hidden}-seed{self.seed}-{dtype}"
+            f"-{self.mlp_kind}{self.mlp_hidden}-seed{self.seed}-{dtype}{self._extras_tag()}"
         )
 
+    def _extras_tag(self) -> str:
+        # The fields added for checkpoint architectures, when they differ from the
+        # defaults, so that two seeded models never share storage keys.
+        changed = []
+        for f in fields(self):
+            if f.name in _LEGACY_ID_FIELDS or f.name == "scan_chunk":
+                continue
+            if getattr(self, f.name) != f.default:
+                changed.append(f"{f.name}={getattr(self, f.name)!r}")
+        if not changed:
+            return ""
+        return "-x" + hashlib.sha256(";".join(changed).encode()).hexdigest()[:10]
+
+
+_LEGACY_ID_FIELDS = frozenset(
+    (
+        "vocab_size", "d_model", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
+        "ssm_heads", "ssm_head_dim", "ssm_state_dim", "conv_kernel", "mlp_hidden",
+        "mlp_kind", "seed", "dtype", "name", "rope_theta", "norm_eps",
+    )
+)  # fmt: skip
 
 PRESETS: dict[str, ModelConfig] = {
     # Fast tests: every mesh up to tp=8 splits it.
