@@ -38,11 +38,17 @@ SMALL = [
 SECRET = b"reliability-test-secret-0123456789"
 
 
-def _serve(out_dir, name: str, *extra: str) -> tuple[dict, str]:
+def _serve(out_dir, name: str, *extra: str, nproc: int = 1) -> tuple[dict, str]:
     out = out_dir / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.pop("MESH_HICACHE_STORAGE_SECRET_FILE", None)
-    cmd = [sys.executable, "-m", "runtime.serve", *SMALL, "--json", str(out), *extra]
+    cmd = [sys.executable, "-m", "runtime.serve"]
+    if nproc > 1:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        if not os.path.exists(torchrun):
+            pytest.skip("torchrun is not installed beside this interpreter")
+        cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "runtime.serve"]
+    cmd += [*SMALL, "--json", str(out), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stderr
@@ -103,6 +109,20 @@ def test_symlinked_root_directory_is_never_followed(tmp_path, off):
     assert list(outside.iterdir()) == [] and (root / "v1").is_symlink()
     assert stderr.count("refused symlink") == 1
     assert run["cache_stats"]["storage_put_dropped"] > 0
+
+
+def test_symlinked_root_on_four_ranks(tmp_path, off):
+    # The original crash: two ranks raised on the path check, the others died on
+    # "connection closed". Now every rank refuses the link and serves on.
+    root, outside = tmp_path / "l3", tmp_path / "outside"
+    outside.mkdir()
+    root.mkdir()
+    (root / "v1").symlink_to(outside, target_is_directory=True)
+    mesh = ["--cp", "2", "--tp", "2", "--cp-kv", "shard", "--storage-root", str(root)]
+    run, stderr = _serve(tmp_path, "mesh", *mesh, nproc=4)
+    assert _outputs(run) == off
+    assert list(outside.iterdir()) == [] and (root / "v1").is_symlink()
+    assert stderr.count("refused symlink") == 4  # one warning per rank
 
 
 def _forge(root, codec: ObjectCodec) -> int:
