@@ -1,15 +1,18 @@
-"""CPU transfer engine: a worker thread doing the copies in submission order.
+"""CPU transfer engine: a worker thread (or a waiting caller) doing the copies in order.
 
 Rows (a whole page of one layer part, e.g. 128 KiB for 64 tokens x 8 heads x 128 dims in
 bf16; never a token) are contiguous in both pools. An operation's row addresses come in
-bulk from :class:`~mesh_hicache.transfer.segments.SegmentTable` and each row (or merged
-run) is one ``ctypes.memmove`` straight from pool to pool, which releases the GIL; the
-calls run inside ``map`` (no Python loop per row), one ``map`` per layer for loads (each
-layer is published as soon as it is in place) and one for a whole backup (nothing waits
-for a backup layer by layer; all its layers are published together) or a load of at most
-``SINGLE_PASS_BYTES``. In those one-pass copies, rows
-of at most ``SMALL_ROW_BYTES`` (4 KiB) go by one numpy fancy copy per block of segments
-instead, where one ``memmove`` call would cost more than its bytes.
+bulk from :class:`~mesh_hicache.transfer.segments.SegmentTable`; each row (or merged run)
+is one ``ctypes.memmove`` straight from pool to pool, which releases the GIL, and the
+calls run inside ``map`` (no Python loop per row):
+
+- a load goes layer by layer, one ``map`` per layer, each layer published as soon as it
+  is in place;
+- a backup (nothing waits for it layer by layer) and a load of at most
+  ``SINGLE_PASS_BYTES`` go in one pass and publish every layer at once; there, rows of at
+  most ``SMALL_ROW_BYTES`` (4 KiB) go by one numpy fancy copy per pool buffer instead,
+  since one ``memmove`` call would cost more than its bytes.
+
 Measured on this project's 2-core CPU box (one thread, 64 rows of 32 KiB / 128 KiB):
 ``memmove`` per row 0.76x / 0.95x of one contiguous ``memmove`` of the same bytes, numpy
 fancy indexing 0.54x / 0.41x and ``index_select`` + ``index_copy_`` on flattened
