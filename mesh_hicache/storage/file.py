@@ -301,7 +301,8 @@ class FileStorage(StorageBackend):
         header: bytes,
         payload: memoryview,
     ) -> None:
-        tmp = next(self._tmp_names)
+        with self._lock:  # a generator must not run in two threads at once
+            tmp = next(self._tmp_names)
         for attempt in range(3):
             d = dirs.get(dir_parts, create=True)
             assert d is not None

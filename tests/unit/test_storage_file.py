@@ -317,3 +317,25 @@ def test_two_processes_share_one_root(tmp_path):
     for k, d in zip(keys, dst, strict=True):
         assert same_bits(d, page(k.page_hash[0] + 256 * k.page_hash[1]))
     assert list(store.root.rglob(".tmp-*")) == []
+
+
+def test_threads_share_one_store(store):
+    import threading
+
+    errors: list[BaseException] = []
+
+    def writer(base: int) -> None:
+        try:
+            for i in range(40):
+                assert store.put_one(key(base + i), page(base + i))
+        except BaseException as err:  # reported below, in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(1000 * t,)) for t in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    keys = [key(1000 * t + i) for t in range(1, 5) for i in range(40)]
+    assert store.exists(keys) == len(keys) and store.stats.puts == len(keys)
