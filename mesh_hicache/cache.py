@@ -18,6 +18,16 @@ Requests may overlap (several matched and not yet released); the cache never ass
 one at a time. What a request still owns at ``release`` (pages and slots the tree did
 not take) is freed there, so aborted requests leak nothing.
 
+Misuse raises before anything changes: tokens must be ints (not bools, not floats) in
+``[0, 2**63)`` (validated once, in bulk, by ``RadixKey``); a call on a released request
+or on a request of another cache is a ``ValueError`` (``release`` of an already released
+request is a no-op); ``insert`` pages and slot must be the request's own, allocated,
+distinct and in range; ``alloc_pages(n < 0)`` is a ``ValueError``. On a mesh every
+check reads only replicated state (the arguments, the request, the tree, pool sizes),
+so it gives the same answer on every rank: all ranks raise together and none is left
+alone in a collective. ``match`` never leaves a lock behind when it raises, and
+``check_integrity`` fails on a protection that no open request or backup holds.
+
 The facade validates and converts what callers pass, and talks to the controller only;
 the tiers, the tree and the lock protocol live below it (``mesh_hicache/tiers/``). Tests
 that must look further in use :func:`mesh_hicache.testing.internals`.
@@ -93,6 +103,12 @@ class CachedRequest:
         )
 
 
+def _lease_of(req: CachedRequest) -> RequestLease:
+    if not isinstance(req, CachedRequest):
+        raise TypeError(f"expected a CachedRequest from HiCache.match, got {type(req).__name__}")
+    return req._lease
+
+
 class HiCache:
     """A hierarchical prefix cache for one rank of a mesh. Construction is collective."""
 
@@ -127,7 +143,7 @@ class HiCache:
         Collective. Afterwards ``req.prefix_len``/``prefix_pages``/``mamba_slot`` describe
         the prefix being loaded; use ``req.wait_layer`` and then ``finish_load``.
         """
-        self._ctl.load(req._lease)
+        self._ctl.load(_lease_of(req))
 
     def finish_load(self, req: CachedRequest) -> int:
         """Wait for the load, agree that it succeeded everywhere, return ``prefix_len``.
@@ -135,16 +151,17 @@ class HiCache:
         Collective. On failure anywhere the prefix is 0 on every rank (recompute).
         ``RuntimeError`` when called before ``load(req)`` or twice.
         """
-        return self._ctl.finish_load(req._lease)
+        return self._ctl.finish_load(_lease_of(req))
 
     def alloc_pages(self, req: CachedRequest, n: int) -> list[int]:
         """``n`` device pages for ``req`` (evicting unlocked cache as needed). Collective;
-        ``CacheFull`` on every rank when even eviction cannot make room."""
-        return self._ctl.alloc_pages(req._lease, n)
+        ``CacheFull`` on every rank when even eviction cannot make room. ``n``: an int
+        >= 0 (``TypeError``/``ValueError`` otherwise; same answer on every rank)."""
+        return self._ctl.alloc_pages(_lease_of(req), n)
 
     def alloc_slot(self, req: CachedRequest) -> int:
         """A device Mamba slot for a checkpoint of ``req``. Collective; may raise CacheFull."""
-        return self._ctl.alloc_slot(req._lease)
+        return self._ctl.alloc_slot(_lease_of(req))
 
     def insert(
         self,
@@ -159,6 +176,12 @@ class HiCache:
         ``mamba_slot``: the device slot holding the state after exactly ``len(tokens)``
         tokens. Pages and slot the tree already had are freed if ``req`` owns them.
         Applies the write policy. Returns the pages that were already cached. Collective.
+
+        ``ValueError``/``TypeError`` with the tree and pools unchanged when a page is out
+        of range or given twice, when a page the tree would take is not allocated to
+        ``req`` (``alloc_pages``) or was inserted already, when a page where the tree
+        already holds one is not ``req``'s own, or when ``mamba_slot`` is not allocated to
+        ``req`` (``alloc_slot``). Deterministic: the same answer on every rank.
         """
         ps = self.page_size
         if not tokens or len(tokens) % ps:
@@ -168,12 +191,13 @@ class HiCache:
         if len(pages) != len(tokens) // ps:
             raise ValueError(f"{len(pages)} pages given for {len(tokens) // ps} whole pages")
         key = RadixKey(tokens, req.key.namespace)
-        return self._ctl.insert(req._lease, key, pages, mamba_slot)
+        return self._ctl.insert(_lease_of(req), key, pages, mamba_slot)
 
     def release(self, req: CachedRequest) -> None:
         """Finish ``req`` (done or aborted): unlock, cancel what is in flight, free what it
-        still owns. Collective. Idempotent."""
-        self._ctl.release(req._lease)
+        still owns. Collective. Idempotent; ``ValueError`` (nothing changed on either cache)
+        for a request of another cache."""
+        self._ctl.release(_lease_of(req))
 
     # -- background work, lifecycle ---------------------------------------------------------
 

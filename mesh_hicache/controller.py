@@ -29,6 +29,7 @@ scheduling thread.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -49,6 +50,7 @@ from mesh_hicache.tiers import (
     BackupQueue,
     CacheFull,
     EvictHooks,
+    Lease,
     Loader,
     PrefetchRules,
     PrefixHit,
@@ -189,8 +191,11 @@ class HiCacheController:
         """Tree invariants plus exact pool accounting: tree + free + held = capacity.
 
         Held: device pages/slots owned by open requests. Host pools must have no
-        reservation in flight (call after ``flush`` with no prefetch running)."""
+        reservation in flight (call after ``flush`` with no prefetch running). Every
+        node's ``lock_ref``/``host_ref`` must equal what the open requests and the backups
+        in flight hold on it: a protection nobody holds is a leak (``RuntimeError``)."""
         leases = self.requests.open_leases
+        self._check_protections([*leases, *self.backups.leases()])
         held_pages = [p for lease in leases for p in lease.owned_pages]
         held_slots = [s for lease in leases for s in lease.owned_slots]
 
@@ -205,6 +210,21 @@ class HiCacheController:
             mamba_device=usage(self.device.slot_allocator, held_slots),
             mamba_host=usage(host.slot_allocator) if host is not None else None,
         )
+
+    def _check_protections(self, leases: Sequence[Lease]) -> None:
+        expected = {"lock_ref": Counter[int](), "host_ref": Counter[int]()}
+        for lease in leases:
+            for attr, held in (("lock_ref", lease.locked), ("host_ref", lease.protected)):
+                for node in held:
+                    expected[attr].update(n.id for n in self.tree.nodes_on_path(node))
+        for node in self.tree.iter_nodes():
+            for attr, counts in expected.items():
+                want, got = counts.get(node.id, 0), getattr(node, attr)
+                if got != want:
+                    raise RuntimeError(
+                        f"{node!r}: {attr}={got} but open requests and backups hold {want} "
+                        "(a leaked or lost protection)"
+                    )
 
     def digest(self) -> str:
         return self.tree.digest()

@@ -102,9 +102,13 @@ class TreeCore:
     # ---------------------------------------------------------------- checks
 
     def _check_key(self, key: RadixKey) -> RadixKey:
+        """``key`` truncated to whole pages (a byte slice: tokens are not looked at)."""
         if not isinstance(key, RadixKey):
             raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
-        return key.page_aligned(self.page_size)
+        extra = len(key.data) % self._page_bytes
+        if extra:
+            return RadixKey.from_packed(key.data[:-extra], key.namespace)
+        return key
 
     @staticmethod
     def _check_indices(
@@ -118,6 +122,24 @@ class TreeCore:
                 f"{name} must hold {num_pages} pages (one per whole page), got {len(out)}"
             )
         return out
+
+    def cached_device_pages(self, key: RadixKey) -> tuple[int, ...]:
+        """The device pages the tree holds for the leading whole pages of ``key``, in order:
+        exactly the positions where ``insert(key, device_indices=...)`` would not take the
+        given page (device copies are prefix-closed). Read-only: no split, no touch."""
+        key = self._check_key(key)
+        root = self._roots.get(key.namespace)
+        if root is None:
+            return ()
+        path, _pos, partial = self._walk(root, key.data)
+        out: list[int] = []
+        for node in path:
+            if node.device_indices is None:
+                return tuple(out)
+            out.extend(node.device_indices)
+        if partial is not None and partial[0].device_indices is not None:
+            out.extend(partial[0].device_indices[: partial[1] // self._page_bytes])
+        return tuple(out)
 
     def _check_node(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode) or node.is_sentinel or not node.alive:

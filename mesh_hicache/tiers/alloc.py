@@ -77,6 +77,16 @@ class TierAllocator:
         self._stats = stats
         self._hooks = hooks
 
+    @property
+    def device_pages(self) -> int:
+        """Capacity of the device page pool (equal on every rank)."""
+        return self._device.num_pages
+
+    @property
+    def device_slots(self) -> int:
+        """Capacity of the device Mamba slot pool (equal on every rank)."""
+        return self._device.num_slots
+
     # -- allocation (collective) ------------------------------------------------------------
 
     def alloc_device_pages(self, n: int) -> list[int]:

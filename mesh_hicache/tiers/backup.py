@@ -120,6 +120,10 @@ class BackupQueue:
         """Whether copies or L3 writes are still queued (same on every rank)."""
         return bool(self._backups or self._writes)
 
+    def leases(self) -> list[Lease]:
+        """The leases of the copies and L3 writes in flight (for ``check_integrity``)."""
+        return [b.lease for b in self._backups] + [w.lease for w in self._writes]
+
     def backup_nodes(self, nodes: Sequence[TreeNode]) -> None:
         """Queue device -> host copies of those ``nodes`` that lack a host copy (agreed)."""
         if self._engine is None:

@@ -10,6 +10,14 @@ request still owns). Everything a request holds is in its :class:`RequestLease`.
 
 Thread story: the scheduler thread only. Agreements: those of the tiers it calls, in
 call order (each call is collective); no agreement of its own.
+
+Misuse is refused before anything changes (``ValueError``/``TypeError``): a call on a
+released request or on a request of another cache, ``insert`` pages or a slot that are
+not the request's own, allocated, distinct and in range. Every such check reads only
+replicated state (the request's lease, the tree, pool capacities), never anything
+rank-local, so on a mesh it gives the same answer on every rank: either every rank
+raises or none does, and no rank is left waiting in a collective alone. ``match`` takes
+its protections last and drops them again if anything after them raises.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mesh_hicache.radix import RadixKey, RadixTree
+from mesh_hicache.radix import RadixKey, RadixTree, TreeNode
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.tiers.alloc import CacheFull, TierAllocator
 from mesh_hicache.tiers.backup import BackupQueue
@@ -61,10 +69,12 @@ class RequestLease(Lease):
         "finished_load",
         "hit",
         "key",
+        "known_pages",
         "load",
         "mamba_slot",
         "owned_pages",
         "owned_slots",
+        "owner",
         "prefetch",
         "prefetched",
         "prefix_len",
@@ -73,8 +83,10 @@ class RequestLease(Lease):
         "served",
     )
 
-    def __init__(self, tree: RadixTree, key: RadixKey) -> None:
+    def __init__(self, tree: RadixTree, key: RadixKey, owner: object) -> None:
         super().__init__(tree)
+        self.owner = owner
+        """The ``RequestFlow`` (one per cache) that opened this request."""
         self.key = key
         self.hit = PrefixHit(0, 0, 0, 0)
         self.prefix_len = 0
@@ -88,6 +100,9 @@ class RequestLease(Lease):
         self.finished_load = False
         self.owned_pages: list[int] = []
         self.owned_slots: list[int] = []
+        self.known_pages: set[int] = set()
+        """Every device page this request was served or allocated (it may name them again
+        in a later insert where the tree already holds a page)."""
         self.released = False
 
     def wait_layer(self, layer_id: int) -> bool:
@@ -126,18 +141,33 @@ class RequestFlow:
         self._backups.step()
         m = self._tree.match_prefix(key)
         self._backups.on_match(m.nodes)
-        lease = RequestLease(self._tree, key)
+        lease = RequestLease(self._tree, key, self)
         lease.hold(m.last_node)
-        if self._l3 is not None:
-            start = m.usable_len // self._page_size
-            lease.prefetch = self._l3.match(key, start, m.last_node.last_hash)
+        try:
+            if self._l3 is not None:
+                start = m.usable_len // self._page_size
+                lease.prefetch = self._l3.match(key, start, m.last_node.last_hash)
+        except BaseException:
+            lease.release()  # never leave the prefix pinned
+            raise
         storage = lease.prefetch.num_pages * self._page_size if lease.prefetch else 0
         lease.hit = PrefixHit(m.device_len, m.host_len, storage, m.raw_kv_len)
         self._open[id(lease)] = lease
         return lease
 
+    def check_open(self, lease: RequestLease) -> None:
+        """``ValueError`` unless ``lease`` is an open request of this cache (replicated
+        state only: the same answer on every rank)."""
+        if lease.owner is not self:
+            raise ValueError(f"{lease.key!r}: the request belongs to another cache")
+        if lease.released:
+            raise ValueError(f"{lease.key!r}: the request was released")
+
     def load(self, lease: RequestLease) -> None:
         """Finish the prefetch (its stop policy) and start loading the prefix to device."""
+        self.check_open(lease)
+        if lease.load is not None or lease.finished_load:
+            raise RuntimeError("load(req) called twice")
         if lease.prefetch is not None:
             assert self._l3 is not None
             job, lease.prefetch = lease.prefetch, None
@@ -158,14 +188,20 @@ class RequestFlow:
         lease.load = load
         lease.prefix_len = m.usable_len
         lease.prefix_pages = list(m.device_indices) + list(load.pages)
+        lease.known_pages.update(lease.prefix_pages)
         lease.mamba_slot = m.mamba_on_device if m.mamba_on_device is not None else load.slot
 
     def finish_load(self, lease: RequestLease) -> int:
         """Wait for the load, agree on its success, count the request; the prefix length.
 
         ``RuntimeError`` before ``load`` or when called twice (not an assert: a caller's
-        mistake must not pass silently under ``python -O``).
+        mistake must not pass silently under ``python -O``); ``ValueError`` on a released
+        request or one of another cache.
         """
+        self.check_open(lease)
+        return self._finish_load(lease)
+
+    def _finish_load(self, lease: RequestLease) -> int:
         load = lease.load
         if load is None:
             when = "twice" if lease.finished_load else "before load(req)"
@@ -185,13 +221,21 @@ class RequestFlow:
         return lease.prefix_len
 
     def alloc_pages(self, lease: RequestLease, n: int) -> list[int]:
-        """``n`` device pages owned by ``lease`` until inserted. May raise ``CacheFull``."""
+        """``n`` device pages owned by ``lease`` until inserted. May raise ``CacheFull``.
+        ``n``: an int >= 0 (``TypeError``/``ValueError`` otherwise, nothing allocated)."""
+        self.check_open(lease)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"alloc_pages: n must be an int, got {n!r}")
+        if n < 0:
+            raise ValueError(f"alloc_pages: n must be >= 0, got {n}")
         pages = self._alloc.alloc_device_pages(n)
         lease.owned_pages.extend(pages)
+        lease.known_pages.update(pages)
         return pages
 
     def alloc_slot(self, lease: RequestLease) -> int:
         """A device Mamba slot owned by ``lease`` until inserted. May raise ``CacheFull``."""
+        self.check_open(lease)
         slot = self._alloc.alloc_device_slot()
         lease.owned_slots.append(slot)
         return slot
@@ -205,7 +249,17 @@ class RequestFlow:
     ) -> int:
         """Insert ``key`` with its device ``pages`` (and state slot); apply the write
         policy. Pages and slot the tree already had are freed if ``lease`` owns them.
-        Returns the pages that were already cached."""
+        Returns the pages that were already cached.
+
+        Checked before anything changes (``ValueError``/``TypeError``, tree and pools
+        untouched): every page is an int in range, the pages are distinct, a page the tree
+        will take is allocated to ``lease`` and not inserted yet, a page where the tree
+        already holds one is the request's own (served, allocated, or the tree's page
+        there); ``mamba_slot`` is allocated to ``lease`` (or is the slot the tree already
+        holds at the key's end)."""
+        self.check_open(lease)
+        pages = self._check_pages(lease, key, pages)
+        self._check_slot(lease, key, mamba_slot)
         result = self._tree.insert(key, device_indices=list(pages), mamba_device_slot=mamba_slot)
         # Pages the tree took now belong to it; owned pages it did not take duplicate
         # pages it already had, so they go back to the allocator.
@@ -222,9 +276,50 @@ class RequestFlow:
         self._backups.on_insert(result.node)
         return result.num_existing_pages
 
+    def _check_pages(self, lease: RequestLease, key: RadixKey, pages: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        for p in pages:
+            if isinstance(p, bool) or not hasattr(type(p), "__index__"):
+                raise TypeError(f"insert: pages must be ints, got {p!r}")
+            out.append(p.__index__())  # type: ignore[attr-defined]
+        capacity = self._alloc.device_pages
+        bad = [p for p in out if not 0 <= p < capacity]
+        if bad:
+            raise ValueError(f"insert: pages {bad[:5]} not in range({capacity}) device pages")
+        if len(set(out)) != len(out):
+            dup = sorted({p for p in out if out.count(p) > 1})
+            raise ValueError(f"insert: pages {dup[:5]} given more than once")
+        cached = self._tree.cached_device_pages(key)
+        owned = set(lease.owned_pages)
+        for i, p in enumerate(out):
+            if i >= len(cached) and p not in owned:
+                raise ValueError(
+                    f"insert: page {p} (position {i}) is not allocated to this request "
+                    "(alloc_pages) or was inserted already"
+                )
+            if i < len(cached) and p != cached[i] and p not in lease.known_pages:
+                raise ValueError(f"insert: page {p} (position {i}) is not this request's")
+        return out
+
+    def _check_slot(self, lease: RequestLease, key: RadixKey, slot: int | None) -> None:
+        if slot is None:
+            return
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"insert: mamba_slot must be an int or None, got {slot!r}")
+        if slot in lease.owned_slots:
+            return
+        node: TreeNode | None = self._tree.node_at(key)
+        if node is None or node.mamba_device_slot != slot:
+            raise ValueError(
+                f"insert: mamba_slot {slot} is not allocated to this request (alloc_slot)"
+            )
+
     def release(self, lease: RequestLease) -> None:
         """Finish the request (done or aborted): cancel what is in flight, drop its
-        protections, free what it still owns. Idempotent."""
+        protections, free what it still owns. Idempotent for this cache's requests;
+        ``ValueError`` (nothing changed) for a request of another cache."""
+        if lease.owner is not self:
+            raise ValueError(f"{lease.key!r}: the request belongs to another cache")
         if lease.released:
             return
         lease.released = True
@@ -233,7 +328,7 @@ class RequestFlow:
             self._l3.cancel_prefetch(lease.prefetch)
             lease.prefetch = None
         if lease.load is not None:
-            self.finish_load(lease)
+            self._finish_load(lease)
         lease.release()
         self._alloc.free_device(lease.owned_pages, lease.owned_slots)
         lease.owned_pages, lease.owned_slots = [], []
