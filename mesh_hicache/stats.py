@@ -31,6 +31,9 @@ class CacheStats:
     """Prompt tokens loaded from L2."""
     hit_tokens_storage: int = 0
     """Prompt tokens prefetched from L3 (then loaded through L2)."""
+    storage_resharded_tokens: int = 0
+    """Tokens prefetched from L3 objects written under another mesh (reshard on read:
+    KV pages from another layout, or a boundary state the prefix needs from one)."""
     raw_kv_hit_tokens: int = 0
     """KV matched before the Mamba rule cut the hit back (shows what states would save)."""
     mamba_hits_device: int = 0
@@ -132,6 +135,11 @@ class CacheStats:
             self.storage_put_objects += objects
             self.storage_put_dropped += dropped
             self.bytes_host_to_storage += num_bytes
+
+    def record_reshard(self, tokens: int) -> None:
+        """Tokens of one prefetch that were assembled from another mesh's objects."""
+        with self.lock:
+            self.storage_resharded_tokens += tokens
 
     def record_get(self, misses: int, num_bytes: int) -> None:
         """One batched L3 read: objects that missed, bytes that arrived."""
