@@ -403,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         check_args(args)
+        owns_group = not dist.is_initialized()  # an embedding caller keeps its own group
         topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
     except (LaunchError, ValueError) as err:
         print(f"runtime.serve: error: {err}", file=sys.stderr)
@@ -427,7 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f)
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
     return 0
 
 
