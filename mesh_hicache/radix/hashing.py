@@ -10,13 +10,15 @@ Requests in different namespaces never share a tree node, and their page hashes 
 
 Page hashes are chained: the hash of page ``i`` covers the hash of page ``i - 1``, the
 namespace and the page's tokens, so equal hashes mean equal whole prefixes. They are
-SHA-256 digests (32 bytes) of ``TAG + parent hash + namespace + packed page``, identical
+SHA-256 digests (32 bytes) of ``namespace_prefix(namespace) + parent hash + packed page``
+(the prefix is one whole SHA-256 block: tag, then the namespace's digest), identical
 across processes, runs and machines (never Python's ``hash()``, which is salted per
 process). They are computed from the packed bytes, and only when needed (L3).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 import struct
@@ -35,8 +37,9 @@ TOKEN_LIMIT = 2**63
 
 # Version tag of the encoding: changing the byte layout below must change it, so that
 # hashes of two encodings never collide in a shared L3 store.
-_TAG = b"mesh_hicache.page.v1"
+_TAG = b"mesh_hicache.page.v2"
 _NO_PARENT = bytes(HASH_BYTES)
+_BLOCK = 64  # SHA-256 block: the per-namespace prefix fills exactly one
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
@@ -44,6 +47,17 @@ def _namespace_bytes(namespace: str) -> bytes:
     raw = namespace.encode("utf-8")
     # Length prefix: ("ab", tokens) and ("a", b + tokens) must never encode alike.
     return struct.pack("<I", len(raw)) + raw
+
+
+@functools.lru_cache(maxsize=1024)
+def namespace_prefix(namespace: str) -> bytes:
+    """The 64-byte first block of every page hash in ``namespace``: the tag padded to 32
+    bytes, then SHA-256 of the length-prefixed namespace. One whole SHA-256 block, so its
+    state is computed once per call and copied per page (a page costs what hashing its own
+    bytes and the parent hash costs)."""
+    block = _TAG.ljust(_BLOCK // 2, b"\0") + hashlib.sha256(_namespace_bytes(namespace)).digest()
+    assert len(block) == _BLOCK
+    return block
 
 
 def _bad_token(tokens: Sequence[object], start: int = 0) -> Exception:
@@ -109,14 +123,16 @@ def packed_page_hashes(
     ``parent``: the hash of the page just before ``start_page`` (None at the start of a
     sequence). A trailing partial page is ignored. Trusted input (already validated).
     """
-    ns = _namespace_bytes(namespace)
     prev = _NO_PARENT if parent is None else parent
     step = page_size * TOKEN_BYTES
     view = memoryview(data)
-    sha256, join, tag = hashlib.sha256, b"".join, _TAG
+    fresh = hashlib.sha256(namespace_prefix(namespace)).copy
     out: list[bytes] = []
     for start in range(start_page * step, len(data) - step + 1, step):
-        prev = sha256(join((tag, prev, ns, view[start : start + step]))).digest()
+        h = fresh()
+        h.update(prev)
+        h.update(view[start : start + step])
+        prev = h.digest()
         out.append(prev)
     return out
 

@@ -34,10 +34,15 @@ def test_fixed_width_encoding() -> None:
     # Tokens are fixed-width: (1, 256) and (256, 1) and a page of one big id never collide.
     assert page_hashes([1, 256], 2) != page_hashes([256, 1], 2)
     assert page_hashes([2**40], 1) != page_hashes([0], 1)
-    # The documented encoding: 8-byte little-endian signed ints.
+    # The documented encoding: one 64-byte block (tag padded to 32 bytes, then the digest of
+    # the length-prefixed namespace), the parent hash, 8-byte little-endian ints.
     h = page_hashes([7], 1)[0]
-    raw = b"mesh_hicache.page.v1" + bytes(32) + struct.pack("<I", 0) + struct.pack("<q", 7)
+    ns = hashlib.sha256(struct.pack("<I", 0)).digest()
+    raw = b"mesh_hicache.page.v2".ljust(32, b"\0") + ns + bytes(32) + struct.pack("<q", 7)
     assert h == hashlib.sha256(raw).digest()
+    ns_t = hashlib.sha256(struct.pack("<I", 1) + b"t").digest()
+    raw2 = b"mesh_hicache.page.v2".ljust(32, b"\0") + ns_t + h + struct.pack("<q", 9)
+    assert page_hashes([9], 1, "t", parent=h) == [hashlib.sha256(raw2).digest()]
 
 
 def test_stable_across_processes() -> None:
