@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.config import TENANT_SEPARATOR, HiCacheConfig
 from mesh_hicache.controller import (
     CacheFull,
     HiCacheController,
@@ -51,7 +51,32 @@ from mesh_hicache.spec import StateSpec
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.topology import MeshTopology
 
-__all__ = ["CacheFull", "CachedRequest", "HiCache", "PrefixHit", "ServedTokens"]
+__all__ = [
+    "CacheFull",
+    "CachedRequest",
+    "HiCache",
+    "PrefixHit",
+    "ServedTokens",
+    "tenant_namespace",
+]
+
+
+def tenant_namespace(tenant: str, namespace: str = "") -> str:
+    """The tree namespace of ``namespace`` under ``tenant`` (the ``RadixKey`` namespace).
+
+    Without a tenant it is ``namespace`` itself (keys and page hashes as before tenants
+    existed); with one it is ``SEP + tenant + SEP + namespace`` (``SEP`` = ``"\x1f"``,
+    refused in both), so distinct (tenant, namespace) pairs never meet in one tree node,
+    page hash or storage key. ``ValueError``/``TypeError`` for a bad value.
+    """
+    for what, value in (("tenant", tenant), ("namespace", namespace)):
+        if not isinstance(value, str):
+            raise TypeError(f"{what} must be a str, got {value!r}")
+        if TENANT_SEPARATOR in value:
+            raise ValueError(f"{what} must not contain {TENANT_SEPARATOR!r}, got {value!r}")
+    if not tenant:
+        return namespace
+    return f"{TENANT_SEPARATOR}{tenant}{TENANT_SEPARATOR}{namespace}"
 
 
 class CachedRequest:
@@ -64,7 +89,7 @@ class CachedRequest:
 
     @property
     def key(self) -> RadixKey:
-        """The looked-up tokens and namespace."""
+        """The looked-up tokens and their tree namespace (``tenant_namespace``)."""
         return self._lease.key
 
     @property
@@ -128,13 +153,20 @@ class HiCache:
 
     # -- per request ------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], namespace: str = "") -> CachedRequest:
+    def match(
+        self, tokens: Sequence[int], namespace: str = "", *, tenant: str | None = None
+    ) -> CachedRequest:
         """Look ``tokens`` up in every tier; lock the usable prefix; start an L3 prefetch.
 
         Collective. The result's ``hit`` is what was found; nothing is on device beyond
-        ``hit.device_tokens`` until ``load``/``finish_load``.
+        ``hit.device_tokens`` until ``load``/``finish_load``. ``tenant``: the request's
+        tenant (None: ``config.tenant``); requests of different tenants share nothing in
+        any tier (see ``tenant_namespace``). On a mesh pass the same tenant on every rank.
+        Bad tokens (not ints, bools, floats, outside ``[0, 2**63)``) raise before anything
+        is held.
         """
-        key = RadixKey(tokens, namespace)  # validated once, in bulk (radix/hashing.py)
+        ns = tenant_namespace(self.config.tenant if tenant is None else tenant, namespace)
+        key = RadixKey(tokens, ns)  # validated once, in bulk (radix/hashing.py)
         return CachedRequest(self._ctl.match(key))
 
     def load(self, req: CachedRequest) -> None:

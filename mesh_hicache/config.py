@@ -14,6 +14,9 @@ from mesh_hicache.choices import (
     WritePolicy,
 )
 
+#: Reserved in tenants and namespaces: it separates them in the tree's namespace.
+TENANT_SEPARATOR = "\x1f"
+
 #: The choice fields and their enums; a plain string is accepted and stored as the member.
 _CHOICES: dict[str, type[Choice]] = {
     "write_policy": WritePolicy,
@@ -66,7 +69,10 @@ class HiCacheConfig:
     transfer: TransferBackend | str = TransferBackend.AUTO
     """Transfer engine: ``auto`` (cuda when available), ``cpu`` or ``cuda``."""
     tenant: str = ""
-    """Tenant salt: part of every storage key; tenants never read each other's objects."""
+    """The default tenant of this cache's requests (``HiCache.match(..., tenant=)`` may name
+    another). It namespaces the tree (L1/L2: tenants never share a node) and every page
+    hash, and is part of every storage key (L3): tenants never read each other's entries.
+    Any string without the reserved character ``"\x1f"``."""
     layout_version: int = 1
     """Bumped whenever the stored byte layout changes; part of every storage key."""
 
@@ -76,6 +82,11 @@ class HiCacheConfig:
         for name in ("device_mamba_slots", "host_pages", "host_mamba_slots", "prefetch_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"HiCacheConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.tenant, str) or TENANT_SEPARATOR in self.tenant:
+            raise ValueError(
+                f"HiCacheConfig.tenant must be a str without {TENANT_SEPARATOR!r}, "
+                f"got {self.tenant!r}"
+            )
         if self.host_ratio <= 0:
             raise ValueError(f"HiCacheConfig.host_ratio must be > 0, got {self.host_ratio}")
         for name, enum_type in _CHOICES.items():

@@ -117,7 +117,9 @@ class Engine:
         results = []
         for turn in trace:
             prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
-            result = self.serve(prompt, turn.namespace, max_new_tokens=turn.max_new_tokens)
+            result = self.serve(
+                prompt, turn.namespace, max_new_tokens=turn.max_new_tokens, tenant=turn.tenant
+            )
             result.request_id, result.session, result.turn = (
                 turn.request_id,
                 turn.session,
@@ -130,10 +132,16 @@ class Engine:
         return results
 
     def serve(
-        self, prompt: Sequence[int], namespace: str = "", *, max_new_tokens: int | None = None
+        self,
+        prompt: Sequence[int],
+        namespace: str = "",
+        *,
+        max_new_tokens: int | None = None,
+        tenant: str | None = None,
     ) -> RequestResult:
         """Greedy-generate ``max_new_tokens`` (default: the engine's) after ``prompt``
-        (at least 1 token). No end-of-sequence stop: exactly that many tokens."""
+        (at least 1 token). No end-of-sequence stop: exactly that many tokens. ``tenant``:
+        the request's cache tenant (None: the cache's; see ``HiCache.match``)."""
         if not prompt:
             raise ValueError("prompt must not be empty")
         num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -149,7 +157,7 @@ class Engine:
         cache = self.cache
         # Match one token short: at least one prompt token is always computed, and its
         # logits start the decode.
-        req = cache.match(prompt[:-1], namespace)
+        req = cache.match(prompt[:-1], namespace, tenant=tenant)
         try:
             return self._serve_cached(prompt, tokens, req, t0, num_new)
         finally:

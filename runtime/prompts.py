@@ -8,8 +8,9 @@ One request per line, an object with exactly one of
 
 and optionally ``"session"`` (any JSON scalar: later lines of the same session are its
 next turns, the prompt being the session's history, i.e. previous prompt + answer, then
-this line's tokens) and ``"max_new_tokens"`` (default: ``--max-new-tokens``). Blank
-lines are skipped. Requests are served in file order.
+this line's tokens), ``"max_new_tokens"`` (default: ``--max-new-tokens``) and
+``"tenant"`` (a string: the request's cache tenant, default ``--tenant``; tenants share
+no cache entry in any tier). Blank lines are skipped. Requests are served in file order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mesh_hicache.config import TENANT_SEPARATOR
 from runtime.workloads import Turn
 
 
@@ -51,7 +53,7 @@ def load_prompts(path: str | Path, vocab_size: int, tokenizer: Any = None) -> li
             raise ValueError(f"{where}: not JSON ({err})") from None
         if not isinstance(item, dict):
             raise ValueError(f"{where}: expected an object, got {type(item).__name__}")
-        unknown = set(item) - {"input_ids", "text", "session", "max_new_tokens"}
+        unknown = set(item) - {"input_ids", "text", "session", "max_new_tokens", "tenant"}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
         ids = _token_ids(item, where, vocab_size, tokenizer)
@@ -64,9 +66,16 @@ def load_prompts(path: str | Path, vocab_size: int, tokenizer: Any = None) -> li
         max_new = item.get("max_new_tokens")
         if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
             raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {max_new!r}")
+        tenant = item.get("tenant")
+        if tenant is not None and (not isinstance(tenant, str) or TENANT_SEPARATOR in tenant):
+            raise ValueError(
+                f"{where}: tenant must be a string without {TENANT_SEPARATOR!r}, got {tenant!r}"
+            )
         turn = next_turn.get(session, 0)
         next_turn[session] = turn + 1
-        turns.append(Turn(len(turns), session, turn, tuple(ids), max_new_tokens=max_new))
+        turns.append(
+            Turn(len(turns), session, turn, tuple(ids), max_new_tokens=max_new, tenant=tenant)
+        )
     if not turns:
         raise ValueError(f"--prompts {str(path)!r} holds no requests")
     return turns

@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seal L3 objects with a keyed MAC under this secret (default: "
         "$MESH_HICACHE_STORAGE_SECRET_FILE; unset: CRC32 integrity only)",
     )
+    p.add_argument(
+        "--tenant",
+        default="",
+        metavar="NAME",
+        help="cache tenant of every request (a --prompts line may name its own): tenants "
+        "share no cache entry in L1, L2 or L3",
+    )
     p.add_argument("--json", metavar="PATH", help="write config, per-request results, summary")
     p.add_argument("--dump-logits", action="store_true", help="add last-prompt logits to --json")
     p.add_argument("--log-every", type=int, default=8, help="a progress line every N requests")
@@ -176,6 +183,7 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         prefetch_policy=args.prefetch_policy,
         prefetch_threshold=args.prefetch_threshold,
         cp_kv=args.cp_kv,
+        tenant=args.tenant,
     )
 
 
@@ -330,6 +338,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("served from device (L1)", f"{summary['cached_device']}"),
         ("served from host (L2)", f"{summary['cached_host']}"),
         ("served from storage (L3)", f"{summary['cached_storage']}"),
+        ("L3 tokens read resharded", f"{summary.get('storage_resharded_tokens', 0)}"),
         ("prefill tokens computed", f"{summary['prefill_tokens_computed']}"),
         ("hit rate", f"{summary['hit_rate']:.1%}"),
         (
@@ -382,6 +391,8 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     t0 = time.perf_counter()
     results, wall, stats = serve_trace(engine, trace, progress)
     summary = summarize(results, wall)
+    # Rank 0's count: L3 tokens assembled from objects written under another mesh.
+    summary["storage_resharded_tokens"] = stats.get("storage_resharded_tokens", 0) if stats else 0
     return {
         "config": {k: v for k, v in vars(args).items()},
         "requests": [_with_text(r.as_json(), tokenizer) for r in results],

@@ -26,6 +26,8 @@ class Turn:
     namespace: str = ""
     max_new_tokens: int | None = None
     """Tokens to generate for this turn (None: the engine's default)."""
+    tenant: str | None = None
+    """The request's cache tenant (None: the cache's ``HiCacheConfig.tenant``)."""
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:

@@ -16,13 +16,15 @@ from typing import Any
 
 import torch
 
-from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit
+from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit, tenant_namespace
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.layout import RegionName
 from mesh_hicache.radix import RadixKey
 from mesh_hicache.spec import Family, KVSpec, MambaSpec, StateSpec
 from mesh_hicache.storage.base import StorageBackend
+from mesh_hicache.storage.keys import KeyNamespace
 from mesh_hicache.testing import internals
+from mesh_hicache.tiers.discovery import MAX_LAYOUTS, entry_key
 
 PS = 4
 """Tokens per page."""
@@ -167,20 +169,23 @@ def serve(
     tokens: list[int],
     *,
     namespace: str = "",
+    tenant: str | None = None,
     checkpoints: tuple[int, ...] | None = None,
     abort: str | None = None,
 ) -> Served:
     """match -> load -> finish_load -> alloc -> write -> insert (per checkpoint) -> release.
 
-    ``tokens``: whole pages. ``checkpoints``: page counts at which a Mamba state is
+    ``tokens``: whole pages. ``tenant``: the request's tenant (None: the cache's).
+    ``checkpoints``: page counts at which a Mamba state is
     inserted (default: only the end). ``abort``: release right after ``match``, after
     ``load`` (no ``finish_load``) or after ``alloc_pages`` (nothing inserted).
     Never raises on a mismatch (that would hang peer ranks): it is counted instead.
     """
     assert len(tokens) % PS == 0 and abort in ABORTS
-    hashes = hashes_of(tokens, namespace)
+    effective = cache.config.tenant if tenant is None else tenant
+    hashes = hashes_of(tokens, tenant_namespace(effective, namespace))
     n = len(hashes)
-    req = cache.match(tokens, namespace)
+    req = cache.match(tokens, namespace, tenant=tenant)
     try:
         if abort == "match":
             return Served(req.hit, 0, (0, 0, 0), 0)
@@ -235,7 +240,10 @@ def pools_fully_free(cache: HiCache) -> bool:
 
 
 def stored_objects(root: Path | str) -> list[tuple[str, str, str]]:
-    """(region, page hash hex, slice tag) of every object file under ``root``."""
+    """(region, page hash hex, slice tag) of every page/state object file under ``root``
+    (the writer-layout registry entries of ``tiers/discovery.py`` left out)."""
+    any_ns = KeyNamespace(model_id="m", dtype="float32", layout_version=1)
+    registry = {entry_key(any_ns, i).page_hash.hex() for i in range(MAX_LAYOUTS)}
     out = []
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
@@ -243,7 +251,8 @@ def stored_objects(root: Path | str) -> list[tuple[str, str, str]]:
                 continue
             rel = os.path.relpath(os.path.join(dirpath, name), root).split(os.sep)
             assert len(rel) == 5 and rel[0] == "v1", rel
-            out.append((rel[2], rel[3], rel[4]))
+            if rel[3] not in registry:
+                out.append((rel[2], rel[3], rel[4]))
     return out
 
 
