@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from mesh_hicache.choices import WritePolicy
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import StateLayout
-from mesh_hicache.radix import RadixTree, TreeNode
+from mesh_hicache.radix import Family, RadixTree, Tier, TreeNode
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.tiers.alloc import TierAllocator
 from mesh_hicache.tiers.l3 import StorageTier
@@ -151,13 +151,13 @@ class BackupQueue:
         for n in kv_nodes:
             assert n.device_indices is not None
             dev_pages.extend(n.device_indices)
-            self._tree.set_host(n, got.pages[pos : pos + n.num_pages])
+            self._tree.attach(n, Tier.HOST, Family.KV, got.pages[pos : pos + n.num_pages])
             pos += n.num_pages
         dev_slots = []
         for n, slot in zip(state_nodes, got.slots, strict=True):
             assert n.mamba_device_slot is not None
             dev_slots.append(n.mamba_device_slot)
-            self._tree.set_mamba_host(n, slot)
+            self._tree.attach(n, Tier.HOST, Family.STATE, [slot])
         held = list(dict.fromkeys(kv_nodes + state_nodes))
         lease = Lease(self._tree)
         for n in held:
@@ -239,9 +239,11 @@ class BackupQueue:
         pages, slots = set(b.host_pages), set(b.host_slots)
         for m in self._holders(b):
             if m.host_indices is not None and set(m.host_indices) <= pages:
-                self._alloc.free_host(pages=self._tree.clear_host(m, invalid=True))
+                self._alloc.free_host(
+                    pages=self._tree.detach(m, Tier.HOST, Family.KV, invalid=True)
+                )
             if m.mamba_host_slot in slots:
-                self._alloc.free_host(slots=[self._tree.clear_mamba_host(m)])
+                self._alloc.free_host(slots=self._tree.detach(m, Tier.HOST, Family.STATE))
 
 
 def _needs_state_backup(n: TreeNode) -> bool:

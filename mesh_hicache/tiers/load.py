@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import StateLayout
-from mesh_hicache.radix import RadixTree, TreeNode
+from mesh_hicache.radix import Family, RadixTree, Tier, TreeNode
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.tiers.alloc import CacheFull, TierAllocator
 from mesh_hicache.transfer import TransferEngine, TransferHandle
@@ -109,10 +109,10 @@ class Loader:
             return False
         pos = 0
         for n in load.host_nodes:
-            self._tree.attach_device(n, load.pages[pos : pos + n.num_pages])
+            self._tree.attach(n, Tier.DEVICE, Family.KV, load.pages[pos : pos + n.num_pages])
             pos += n.num_pages
         if load.state_node is not None and load.slot is not None:
-            self._tree.attach_mamba_device(load.state_node, load.slot)
+            self._tree.attach(load.state_node, Tier.DEVICE, Family.STATE, [load.slot])
         lay = self._layout
         nbytes = len(load.pages) * lay.page_bytes + (load.slot is not None) * lay.slot_bytes
         seconds = time.monotonic() - load.started if load.pages else 0.0

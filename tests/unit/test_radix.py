@@ -183,7 +183,7 @@ def test_device_eviction_keeps_host_copy_then_host_eviction_removes() -> None:
     m = tree.match_prefix(key([1, 2]))
     assert m.device_len == 0 and m.host_indices == (5, 6) and m.usable_len == 2
     # Load back: attach device pages again.
-    tree.attach_device(n, [7, 8])
+    tree.attach(n, Tier.DEVICE, Family.KV, [7, 8])
     assert tree.match_prefix(key([1, 2])).device_indices == (7, 8)
     # Host eviction of a node also on device keeps it device-only.
     r = tree.evict_host(2)
@@ -237,7 +237,7 @@ def test_write_back_callback() -> None:
     def back_up(node: TreeNode) -> None:
         seen.append(node.id)
         if node is a:  # the controller backs up a only (host full for b, say)
-            tree.set_host(node, [next(host) for _ in range(node.num_pages)])
+            tree.attach(node, Tier.HOST, Family.KV, [next(host) for _ in range(node.num_pages)])
 
     r = tree.evict_device(3, before_evict=back_up)
     assert seen == [a.id, b.id]
@@ -252,7 +252,7 @@ def test_device_only_parent_with_host_child_is_skipped_not_lost() -> None:
     tree = RadixTree(1, has_mamba=False)
     parent = tree.insert(key([1]), [0]).node
     child = tree.insert(key([1, 2]), [0, 1]).node
-    tree.set_host(child, [9])
+    tree.attach(child, Tier.HOST, Family.KV, [9])
     assert tree.evict_device(1).device_pages == (1,)
     # The parent has no host copy and a host-only child: it cannot go without write-back.
     assert tree.evict_device(1).device_pages == ()
@@ -284,12 +284,12 @@ def test_lru_order_and_policy() -> None:
 def test_mamba_tier_transitions() -> None:
     tree = RadixTree(1, has_mamba=True)
     n = tree.insert(key([1]), [0], mamba_device_slot=3).node
-    tree.set_mamba_host(n, 4)
-    assert tree.clear_mamba_device(n) == 3 and tree.num_mamba_device_slots == 0
+    tree.attach(n, Tier.HOST, Family.STATE, [4])
+    assert tree.detach(n, Tier.DEVICE, Family.STATE)[0] == 3 and tree.num_mamba_device_slots == 0
     assert tree.match_prefix(key([1])).mamba_on_host == 4
-    tree.attach_mamba_device(n, 5)
+    tree.attach(n, Tier.DEVICE, Family.STATE, [5])
     with pytest.raises(ValueError, match="already"):
-        tree.attach_mamba_device(n, 6)
+        tree.attach(n, Tier.DEVICE, Family.STATE, [6])
     assert tree.evict_mamba_host(1).mamba_host_slots == (4,)
     assert not tree.is_tombstone(n)
     tree.check_integrity(mamba_device=PoolUsage(capacity=6, free=[0, 1, 2, 3, 4]))
@@ -300,19 +300,19 @@ def test_tier_transition_errors() -> None:
     top = tree.insert(key([1]), [0], host_indices=[0]).node
     leaf = tree.insert(key([1, 2]), [0, 1], host_indices=[0, 1]).node
     with pytest.raises(ValueError, match="children on device"):
-        tree.clear_device(top)
-    assert tree.clear_device(leaf) == (1,)
-    assert tree.clear_device(top) == (0,)
+        tree.detach(top, Tier.DEVICE, Family.KV)
+    assert tree.detach(leaf, Tier.DEVICE, Family.KV) == (1,)
+    assert tree.detach(top, Tier.DEVICE, Family.KV) == (0,)
     with pytest.raises(ValueError, match="parent"):
-        tree.attach_device(leaf, [3])
+        tree.attach(leaf, Tier.DEVICE, Family.KV, [3])
     with pytest.raises(ValueError, match="already has a host"):
-        tree.set_host(leaf, [3])
+        tree.attach(leaf, Tier.HOST, Family.KV, [3])
     with pytest.raises(ValueError, match="both"):
-        tree.clear_host(leaf)
+        tree.detach(leaf, Tier.HOST, Family.KV)
     with pytest.raises(ValueError, match="has_mamba=False"):
-        tree.attach_mamba_device(leaf, 0)
-    tree.attach_device(top, [4])
-    tree.attach_device(leaf, [5])
+        tree.attach(leaf, Tier.DEVICE, Family.STATE, [0])
+    tree.attach(top, Tier.DEVICE, Family.KV, [4])
+    tree.attach(leaf, Tier.DEVICE, Family.KV, [5])
     assert tree.match_prefix(key([1, 2])).device_indices == (4, 5)
     tree.check_integrity()
 

@@ -17,7 +17,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from mesh_hicache.radix import EvictResult, PoolUsage, RadixKey, RadixTree, TreeNode
+from mesh_hicache.radix import EvictResult, Family, PoolUsage, RadixKey, RadixTree, Tier, TreeNode
 
 CAPACITY = {"device": 40, "host": 60, "mamba_device": 10, "mamba_host": 10}
 Prefix = tuple[str, tuple[int, ...]]
@@ -211,7 +211,7 @@ class RadixMachine(RuleBasedStateMachine):
             def back_up(node: TreeNode) -> None:
                 got = self.alloc("host", node.num_pages)
                 if got is not None:
-                    self.tree.set_host(node, got)
+                    self.tree.attach(node, Tier.HOST, Family.KV, got)
                     for p, i in zip(self.node_prefixes(node), got, strict=True):
                         self.pages[p][1] = i
 
@@ -231,24 +231,28 @@ class RadixMachine(RuleBasedStateMachine):
         if op == "set_host" and node.host_indices is None:
             got = self.alloc("host", node.num_pages)
             if got is not None:
-                self.tree.set_host(node, got)
+                self.tree.attach(node, Tier.HOST, Family.KV, got)
                 for p, i in zip(prefixes, got, strict=True):
                     self.pages[p][1] = i
         elif op == "attach" and node.device_indices is None:
             if parent.is_sentinel or parent.device_indices is not None:
                 got = self.alloc("device", node.num_pages)
                 if got is not None:
-                    self.tree.attach_device(node, got)
+                    self.tree.attach(node, Tier.DEVICE, Family.KV, got)
                     for p, i in zip(prefixes, got, strict=True):
                         self.pages[p][0] = i
         elif op == "clear_device":
             if node.host_indices is not None and node.device_indices is not None:
                 if node.lock_ref == 0 and node.num_device_children == 0:
-                    self.mirror(EvictResult(device_pages=self.tree.clear_device(node)))
+                    self.mirror(
+                        EvictResult(device_pages=self.tree.detach(node, Tier.DEVICE, Family.KV))
+                    )
         elif op == "clear_host":
             if node.host_indices is not None and node.device_indices is not None:
                 if node.host_ref == 0:
-                    self.mirror(EvictResult(host_pages=self.tree.clear_host(node)))
+                    self.mirror(
+                        EvictResult(host_pages=self.tree.detach(node, Tier.HOST, Family.KV))
+                    )
 
     @rule(data=st.data(), op=st.sampled_from(["attach_dev", "set_host", "clear_dev", "clear_host"]))
     def mamba_tier_change(self, data: Any, op: str) -> None:
@@ -259,17 +263,21 @@ class RadixMachine(RuleBasedStateMachine):
         if op == "attach_dev" and node.mamba_device_slot is None:
             got = self.alloc("mamba_device", 1)
             if got:
-                self.tree.attach_mamba_device(node, got[0])
+                self.tree.attach(node, Tier.DEVICE, Family.STATE, [got[0]])
                 self.states.setdefault(p, [None, None])[0] = got[0]
         elif op == "set_host" and node.mamba_host_slot is None:
             got = self.alloc("mamba_host", 1)
             if got:
-                self.tree.set_mamba_host(node, got[0])
+                self.tree.attach(node, Tier.HOST, Family.STATE, [got[0]])
                 self.states.setdefault(p, [None, None])[1] = got[0]
         elif op == "clear_dev" and node.mamba_device_slot is not None:
-            self.mirror(EvictResult(mamba_device_slots=(self.tree.clear_mamba_device(node),)))
+            self.mirror(
+                EvictResult(mamba_device_slots=self.tree.detach(node, Tier.DEVICE, Family.STATE))
+            )
         elif op == "clear_host" and node.mamba_host_slot is not None:
-            self.mirror(EvictResult(mamba_host_slots=(self.tree.clear_mamba_host(node),)))
+            self.mirror(
+                EvictResult(mamba_host_slots=self.tree.detach(node, Tier.HOST, Family.STATE))
+            )
 
     @invariant()
     def integrity(self) -> None:
