@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--decode", type=int, default=32, help="decode steps")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", help="write the results here")
     p.add_argument(
         "--profile", action="store_true", help="also print where a prefill of each spends time"

@@ -43,6 +43,8 @@ class BambaAdapter:
         if d_head == "auto":
             d_head = v("mamba_expand", 2) * d // ssm_heads
         rope = v("rope_parameters", {}) or {}
+        if v("rope_scaling", None):
+            raise unsupported(ARCH, f"rope_scaling={v('rope_scaling', None)!r}")
         if rope.get("rope_type", "default") != "default":
             raise unsupported(ARCH, f"rope_type={rope.get('rope_type')!r}")
         rotary = int(head_dim * rope.get("partial_rotary_factor", 0.5))

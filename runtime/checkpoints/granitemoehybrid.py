@@ -44,6 +44,8 @@ class GraniteMoeHybridAdapter:
         if d_head == "auto":
             d_head = v("mamba_expand", 2) * d // ssm_heads
         rope = v("rope_parameters", {}) or {}
+        if v("rope_scaling", None):
+            raise unsupported(ARCH, f"rope_scaling={v('rope_scaling', None)!r}")
         if v("position_embedding_type", None) == "rope":
             if rope.get("rope_type", "default") != "default":
                 raise unsupported(ARCH, f"rope_type={rope.get('rope_type')!r}")

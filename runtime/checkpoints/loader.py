@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoints import bamba, granitemoehybrid, nemotron_h
+from runtime.checkpoints import bamba, granitemoehybrid, nemotron_h, qwen3_next
 from runtime.checkpoints.base import (
     Adapter,
     CheckpointWeights,
@@ -26,7 +26,8 @@ from runtime.model.config import PRESETS, ModelConfig, preset
 from runtime.model.weights import WeightSource
 
 ADAPTERS: dict[str, Adapter] = {
-    a.architecture: a for a in (granitemoehybrid.ADAPTER, bamba.ADAPTER, nemotron_h.ADAPTER)
+    a.architecture: a
+    for a in (granitemoehybrid.ADAPTER, bamba.ADAPTER, nemotron_h.ADAPTER, *qwen3_next.ADAPTERS)
 }
 SUPPORTED = tuple(sorted(ADAPTERS))
 

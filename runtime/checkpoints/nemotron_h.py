@@ -64,7 +64,7 @@ class NemotronHAdapter:
             block_pattern=blocks,
             num_heads=heads,
             num_kv_heads=v("num_key_value_heads", None) or heads,
-            head_dim=v("head_dim", 128),
+            head_dim=v("head_dim", None) or v("attention_head_dim", 128),
             ssm_heads=v("mamba_num_heads", 128),
             ssm_groups=v("n_groups", v("mamba_n_groups", 8)),
             ssm_head_dim=v("mamba_head_dim", 64),

@@ -170,3 +170,30 @@ def test_resume_from_every_tier_equals_recompute(
         assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
         assert c.tokens_equal, c.label
     assert {c.tier for c in checks} == {"device", "host", "storage"}
+
+
+def test_legacy_config_keys_give_the_same_model(root: Path, tmp_path: Path) -> None:
+    # Released Nemotron-H / Granite configs predate transformers 5's key names.
+    import os
+
+    for case, edit in (
+        ("nemotron_h", {"hybrid_override_pattern": "-ME*-MM", "attention_head_dim": 8}),
+        ("granite_moe", {"layer_types": ["mamba", "attention", "mamba", "mamba"]}),
+    ):
+        directory = build(case, root)
+        hf = json.loads((directory / "config.json").read_text())
+        hf.pop("layers_block_type", None)
+        hf.pop("head_dim", None) if case == "nemotron_h" else None
+        hf |= edit
+        legacy = tmp_path / case
+        legacy.mkdir()
+        (legacy / "config.json").write_text(json.dumps(hf))
+        os.symlink(directory / "model.safetensors", legacy / "model.safetensors")
+        new, old = load_checkpoint(directory).config, load_checkpoint(legacy).config
+        assert (old.blocks, old.head_dim) == (new.blocks, new.head_dim)
+        ids = _ids(11)
+        a = HybridModel(new, weights=load_checkpoint(directory).weights)
+        b = HybridModel(old, weights=load_checkpoint(legacy).weights)
+        torch.testing.assert_close(
+            a.prefill(ids, a.new_state()), b.prefill(ids, b.new_state()), atol=0, rtol=0
+        )
