@@ -44,6 +44,7 @@ from typing import Any
 import bench_common
 import torch
 
+from mesh_hicache.choices import TransferBackend
 from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools
 from mesh_hicache.spec import KVSpec, StateSpec
@@ -368,7 +369,9 @@ def main() -> None:
     parser.add_argument("--fixed-repeats", type=int, default=200)
     parser.add_argument("--stream-ops", type=int, default=32)
     parser.add_argument("--old", default="4301f1e", help="git revision to compare ('' = none)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--device", default=TransferBackend.AUTO.value, choices=TransferBackend.values()
+    )
     parser.add_argument("--json", default=None, help="write results to this path")
     parser.add_argument(
         "--seal", action="store_true", help="only the L3 seal section (CRC32 vs keyed MAC)"
@@ -384,9 +387,9 @@ def main() -> None:
                 bench_common.make_result("storage_seal", config, {"seal": seal}), args.json
             )
         return
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(TransferBackend(args.device))
+    if device == TransferBackend.AUTO:
+        device = str(TransferBackend.CUDA if torch.cuda.is_available() else TransferBackend.CPU)
     with tempfile.TemporaryDirectory() as tmp:
         old, why = old_engine_factory(args.old, tmp) if args.old else (None, "not asked")
         if old is None:
@@ -397,7 +400,7 @@ def main() -> None:
     print_tables(bandwidth, fixed, engines)
     big = [r for r in bandwidth if r["op_bytes"] >= 4 * MiB]
     summary = {
-        "engine": "cuda" if device == "cuda" else "cpu",
+        "engine": str(TransferBackend(device)),
         "device": device,
         "torch_threads": torch.get_num_threads(),
         "min_ratio_at_4mib_plus": min(

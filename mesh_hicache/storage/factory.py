@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from mesh_hicache.choices import StorageKind
 from mesh_hicache.storage.base import StorageBackend, load_secret
 from mesh_hicache.storage.guard import GuardedStorage
 
-STORAGE_KINDS: tuple[str, ...] = ("file", "mooncake")
-"""Names ``make_storage`` accepts."""
+STORAGE_KINDS: tuple[str, ...] = StorageKind.backends()
+"""Names ``make_storage`` accepts (the ``StorageKind`` values that name a backend)."""
 
 
 def make_storage(kind: str, **options: Any) -> StorageBackend:
@@ -19,11 +20,11 @@ def make_storage(kind: str, **options: Any) -> StorageBackend:
     Unknown kinds raise ValueError naming the choices; construction errors propagate
     (use ``open_storage`` to degrade instead).
     """
-    if kind == "file":
+    if kind == StorageKind.FILE:
         from mesh_hicache.storage.file import FileStorage
 
         return FileStorage(**options)
-    if kind == "mooncake":
+    if kind == StorageKind.MOONCAKE:
         from mesh_hicache.storage.mooncake import MooncakeStorage
 
         return MooncakeStorage(**options)

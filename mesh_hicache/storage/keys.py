@@ -41,13 +41,15 @@ from dataclasses import dataclass
 
 import torch
 
+from mesh_hicache.choices import RegionName
 from mesh_hicache.layout import GlobalSlice
 
 KEY_SCHEMA_VERSION = 1
 """Version of the key grammar; the ``v1`` prefix of every key string."""
 
-REGIONS: tuple[str, ...] = ("kv", "indexer", "mamba_conv", "mamba_ssm")
-"""Valid ``StorageKey.region`` values: one per separately stored host-pool region."""
+REGIONS: tuple[str, ...] = RegionName.values()
+"""Valid ``StorageKey.region`` values: one per separately stored host-pool region (the
+``RegionName`` values)."""
 
 MAX_PAGE_HASH_BYTES = 64
 """Longest accepted page hash (BLAKE2b-512 size); longer hashes are a ValueError."""
