@@ -1,0 +1,295 @@
+"""The engine side of ``runtime.server``: a request queue and one engine thread.
+
+The HTTP loop never touches the model or the cache. It puts a :class:`Job` on a
+:class:`RequestQueue` and awaits the job's events; one :class:`EngineWorker` thread on
+rank 0 takes jobs in queue order and runs each through the engine, so the engine sees
+one request at a time, as ``runtime.engine`` requires today. The queue is an interface
+(``put`` / ``get`` / ``__len__``): a batching scheduler can replace :class:`FifoQueue`
+without touching the HTTP side.
+
+On a mesh, every rank must run the identical sequence of requests (the model and the
+cache are collective). Rank 0 broadcasts each job's tokens over a gloo group of the
+whole mesh before serving it; the other ranks run :func:`follow`, which serves what it
+receives. While idle rank 0 broadcasts a heartbeat every ``heartbeat_s`` so that the
+waiting ranks' collective never hits ``--collective-timeout-s``. An abort (the client
+went away) is agreed the same way: before every decode step rank 0 broadcasts whether
+to stop, so all ranks leave the request at the same token and release it together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from runtime.engine import Engine, RequestResult
+
+log = logging.getLogger("runtime.server")
+
+_SERVE, _IDLE, _STOP = "serve", "idle", "stop"
+
+
+class Aborted(Exception):
+    """Raised inside the engine's decode loop to leave an aborted request (the engine's
+    ``finally`` releases it)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the engine.
+
+    ``events`` receives, on ``loop``, ``("token", id)`` per generated token, then
+    ``("done", JobOutcome)`` or ``("error", message)``. ``cancel()`` may be called from
+    any thread; a cancelled job still queued is dropped, a running one is aborted at the
+    next decode step."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_s: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, kind: str, value: Any) -> None:
+        """Deliver an event to the HTTP side (thread-safe)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """What a finished (or aborted) job produced."""
+
+    output_ids: list[int]
+    cached_tokens: int
+    aborted: bool
+    result: RequestResult | None
+
+
+class RequestQueue(Protocol):
+    """Where the HTTP side leaves jobs and the engine thread takes them."""
+
+    def put(self, job: Job | None) -> None:
+        """Enqueue ``job``; None asks the worker to stop after the jobs before it."""
+
+    def get(self, timeout_s: float) -> Job | None | str:
+        """The next job, None for the stop request, or ``"idle"`` after ``timeout_s``."""
+
+    def __len__(self) -> int:
+        """Jobs waiting (not counting the running one)."""
+
+
+class FifoQueue:
+    """First come, first served; cancelled jobs are skipped when they reach the head."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Job | None] = collections.deque()
+        self._ready = threading.Condition()
+
+    def put(self, job: Job | None) -> None:
+        with self._ready:
+            self._items.append(job)
+            self._ready.notify()
+
+    def get(self, timeout_s: float) -> Job | None | str:
+        deadline = time.monotonic() + timeout_s
+        with self._ready:
+            while True:
+                while self._items:
+                    job = self._items.popleft()
+                    if job is None or not job.cancelled.is_set():
+                        return job
+                    job.emit("error", "cancelled")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return _IDLE
+                self._ready.wait(left)
+
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._items)
+
+
+class _Control:
+    """Rank 0's messages to the other ranks (no-ops on one rank)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def send(self, message: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+        if self.group is None:
+            assert message is not None
+            return message
+        box = [message]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        assert box[0] is not None
+        return box[0]
+
+    def agree_stop(self, stop: bool) -> bool:
+        if self.group is None:
+            return stop
+        flag = torch.tensor([1 if stop else 0], dtype=torch.int32)
+        dist.broadcast(flag, group=self.group, group_src=0)
+        return bool(flag.item())
+
+
+class _DecodeHook:
+    """Sees every token the engine feeds back into the model and may abort the request.
+
+    Installed on the model instance (``model.decode``): the engine passes each generated
+    token but the last to ``decode``, so that call is where tokens are streamed and where
+    an agreed abort leaves the decode loop."""
+
+    def __init__(self, model: Any, control: _Control) -> None:
+        self._decode = model.decode
+        self._control = control
+        self.on_token: Callable[[int], None] | None = None
+        self.should_stop: Callable[[], bool] = lambda: False
+        setattr(model, "decode", self)  # noqa: B010 - an instance attribute shadows the method
+
+    def __call__(self, token: int, state: Any) -> Any:
+        if self.on_token is not None:
+            self.on_token(token)
+        if self._control.agree_stop(self.should_stop()):
+            raise Aborted
+        return self._decode(token, state)
+
+
+class ServerCounters:
+    """Server-level counts (read by ``/metrics``; updated under a lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.aborted = 0
+        self.errors = 0
+        self.uncached = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.integrity_errors = 0
+        self.running = 0
+
+    def as_dict(self) -> dict[str, int]:
+        with self.lock:
+            return {k: v for k, v in vars(self).items() if k != "lock"}
+
+
+class EngineWorker(threading.Thread):
+    """Rank 0's engine thread: takes jobs from ``queue`` and serves them one at a time."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        queue: RequestQueue,
+        group: dist.ProcessGroup | None,
+        heartbeat_s: float,
+        counters: ServerCounters,
+    ) -> None:
+        super().__init__(name="runtime.server engine", daemon=True)
+        self.engine = engine
+        self.queue = queue
+        self.heartbeat_s = heartbeat_s
+        self.counters = counters
+        self.control = _Control(group)
+        self.hook = _DecodeHook(engine.model, self.control)
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while True:
+                job = self.queue.get(self.heartbeat_s)
+                if job is None:
+                    self.control.send((_STOP,))
+                    return
+                if isinstance(job, str):
+                    if self.control.group is not None:
+                        self.control.send((_IDLE,))
+                    continue
+                self.control.send((_SERVE, job.prompt, job.max_new_tokens))
+                self._serve(job)
+        except BaseException as err:  # a lost peer or an engine bug: the server stops
+            self.failure = err
+            log.exception("runtime.server: the engine thread failed")
+
+    def _serve(self, job: Job) -> None:
+        sent: list[int] = []
+
+        def on_token(token: int) -> None:
+            sent.append(token)
+            job.emit("token", token)
+
+        self.hook.on_token = on_token
+        self.hook.should_stop = job.cancelled.is_set
+        with self.counters.lock:
+            self.counters.running += 1
+        try:
+            outcome = serve_one(self.engine, job.prompt, job.max_new_tokens, self.counters)
+        except ValueError as err:
+            with self.counters.lock:
+                self.counters.errors += 1
+            job.emit("error", str(err))
+            return
+        finally:
+            self.hook.on_token = None
+            self.hook.should_stop = lambda: False
+            with self.counters.lock:
+                self.counters.running -= 1
+        for token in outcome.output_ids[len(sent) :]:
+            job.emit("token", token)
+        job.emit("done", outcome)
+
+
+def serve_one(
+    engine: Engine, prompt: list[int], max_new_tokens: int, counters: ServerCounters
+) -> JobOutcome:
+    """Run one request through ``engine`` (collective); an abort releases it, and the
+    cache's integrity is checked after every abort (a failure is counted and logged)."""
+    try:
+        result = engine.serve(prompt, max_new_tokens=max_new_tokens)
+    except Aborted:
+        outcome = JobOutcome([], 0, True, None)
+        with counters.lock:
+            counters.aborted += 1
+        if engine.cache is not None:
+            try:
+                engine.cache.check_integrity()
+            except RuntimeError as err:
+                with counters.lock:
+                    counters.integrity_errors += 1
+                log.error("runtime.server: cache integrity after an abort: %s", err)
+        return outcome
+    with counters.lock:
+        counters.requests += 1
+        counters.prompt_tokens += result.prompt_len
+        counters.cached_tokens += result.cached
+        counters.completion_tokens += len(result.output_ids)
+        counters.uncached += int(result.cached == 0)
+    return JobOutcome(result.output_ids, result.cached, False, result)
+
+
+def follow(engine: Engine, group: dist.ProcessGroup) -> None:
+    """The loop of every rank but 0: serve what rank 0 broadcasts until it says stop."""
+    control = _Control(group)
+    _DecodeHook(engine.model, control)  # takes part in the per-step abort agreement
+    counters = ServerCounters()
+    while True:
+        message = control.send()
+        if message[0] == _STOP:
+            return
+        if message[0] == _SERVE:
+            _, prompt, max_new = message
+            try:
+                serve_one(engine, prompt, max_new, counters)
+            except ValueError:
+                pass  # rank 0 raised the same error (replicated checks) and reported it

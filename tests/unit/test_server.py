@@ -1,0 +1,306 @@
+"""runtime.server driven by the official ``openai`` client (in process, 127.0.0.1).
+
+The server runs a tiny random Granite checkpoint (built by transformers) with a tiny
+word-level ``tokenizer.json`` and a chat template, so text goes in and out. Outputs are
+checked against an engine without a cache on the same weights, the chat prompt against
+transformers' own ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs the openai client (test extra)")
+pytest.importorskip("aiohttp", reason="needs aiohttp (server extra)")
+pytest.importorskip("prometheus_client", reason="needs prometheus-client (test extra)")
+tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test extra)")
+
+from runtime import serve  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.server import Server, build_parser, run_http  # noqa: E402
+from tests import checkpoint_cases  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+WORDS = ["hello", "world", "the", "cache", "is", "warm", "user", "assistant", "system", ":"]
+TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant :{% endif %}"
+)
+
+
+def build_text_checkpoint(root: Path) -> Path:
+    """A tiny random Granite checkpoint with a word-level tokenizer and a chat template."""
+    directory = checkpoint_cases.build("granite_dense", root)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in WORDS:
+        vocab[word] = len(vocab)
+    while len(vocab) < checkpoint_cases.VOCAB:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>", "</s>", "<unk>"])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "chat_template": TEMPLATE,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+class LiveServer:
+    """A ``Server`` on a free 127.0.0.1 port, HTTP in a background thread."""
+
+    def __init__(self, argv: list[str], topology) -> None:
+        self.args = build_parser().parse_args(argv + ["--port", "0"])
+        serve.check_args(self.args)
+        self.server = Server(self.args, topology)
+        self.server.start_worker()
+        self._ready = threading.Event()
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(30), "the server did not start"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+
+            def ready(port: int) -> None:
+                self.port = port
+                self._ready.set()
+
+            await run_http(self.server, self._stop, ready)
+
+        self._loop.run_until_complete(main())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self):  # -> openai.OpenAI
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
+
+    def get(self, path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return r.status, r.read().decode()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        _, text = self.get("/metrics")
+        pattern = re.escape(name) + (re.escape("{" + labels + "}") if labels else r"(\{[^}]*\})?")
+        found = re.finditer(f"^(?:{pattern}) (?P<value>\\S+)$", text, re.M)
+        values = [float(m.group("value")) for m in found]
+        assert values, f"{name} not in /metrics"
+        return sum(values)
+
+    def wait_idle(self, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.metric("mesh_hicache_server_running") or self.metric(
+            "mesh_hicache_server_queued"
+        ):
+            assert time.monotonic() < deadline, "the engine did not become idle"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        assert self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        self.server.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_text_checkpoint(tmp_path_factory.mktemp("server_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def live(checkpoint, one_rank_topology, tmp_path_factory):
+    root = tmp_path_factory.mktemp("server_l3")
+    argv = ["--model", str(checkpoint), "--page-size", "4", "--device-pages", "256"]
+    argv += ["--storage-root", str(root), "--max-new-tokens", "6", "--max-tokens-limit", "600"]
+    server = LiveServer(argv, one_rank_topology)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def reference(live, one_rank_topology):
+    """Greedy ids of a prompt from an engine with no cache on the same weights."""
+    engine = Engine(serve.build_model(live.args, one_rank_topology), None)
+
+    def run(ids: list[int], max_new: int) -> list[int]:
+        out = engine.serve(ids, max_new_tokens=max_new).output_ids
+        eos = live.server.codec.eos_token_id
+        return out[: out.index(eos)] if eos in out else out
+
+    return run
+
+
+def _encode(checkpoint: Path, text: str) -> list[int]:
+    return tokenizers.Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(text).ids
+
+
+def test_models_health_metrics(live) -> None:
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [live.server.name]
+    status, body = live.get("/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    assert live.metric("mesh_hicache_hit_rate", 'cp="0",pp="0",tp="0"') >= 0
+
+
+def test_completion_text_matches_the_engine(live, checkpoint, reference) -> None:
+    prompt = "hello world the cache is warm"
+    out = live.client().completions.create(model=live.server.name, prompt=prompt, max_tokens=5)
+    ids = reference(_encode(checkpoint, prompt), 5)
+    choice = out.choices[0]
+    assert choice.token_ids == ids
+    assert choice.text == live.server.codec.decode(ids)
+    assert out.usage.prompt_tokens == len(_encode(checkpoint, prompt))
+    assert out.usage.completion_tokens == len(ids)
+    assert choice.finish_reason == ("length" if len(ids) == 5 else "stop")
+
+
+def test_chat_uses_the_checkpoint_template(live, checkpoint, reference) -> None:
+    transformers = pytest.importorskip("transformers")
+    messages = [
+        {"role": "system", "content": "the cache is warm"},
+        {"role": "user", "content": "hello world"},
+    ]
+    expected_prompt = transformers.PreTrainedTokenizerFast.from_pretrained(
+        str(checkpoint)
+    ).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(expected_prompt, dict) or hasattr(expected_prompt, "input_ids"):
+        expected_prompt = expected_prompt["input_ids"]
+    out = live.client().chat.completions.create(
+        model=live.server.name, messages=messages, max_tokens=4
+    )
+    assert out.usage.prompt_tokens == len(expected_prompt)
+    ids = reference(list(expected_prompt), 4)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == live.server.codec.decode(ids)
+
+
+def test_streaming_equals_the_whole_answer(live) -> None:
+    client = live.client()
+    messages = [{"role": "user", "content": "the world is warm"}]
+    whole = client.chat.completions.create(model=live.server.name, messages=messages)
+    stream = client.chat.completions.create(
+        model=live.server.name,
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    texts = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=live.server.name, prompt="hello hello world", max_tokens=6, stream=True
+        )
+    ]
+    plain = client.completions.create(model=live.server.name, prompt="hello hello world")
+    assert "".join(texts) == plain.choices[0].text
+
+
+def test_concurrent_clients_each_get_their_own_answer(live, checkpoint, reference) -> None:
+    prompts = [f"hello {w} world {w} the cache" for w in ("w20", "w30", "w40", "w50", "w60")]
+
+    def ask(prompt: str) -> list[int]:
+        out = live.client().completions.create(model=live.server.name, prompt=prompt, max_tokens=4)
+        return out.choices[0].token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert answers == [reference(_encode(checkpoint, p), 4) for p in prompts]
+
+
+def test_http_stays_responsive_and_a_disconnect_releases(live) -> None:
+    client = live.client()
+    live.wait_idle()
+    aborted = live.metric("mesh_hicache_server_aborted_total")
+    generated = live.metric("mesh_hicache_server_completion_tokens_total")
+    stream = client.completions.create(
+        model=live.server.name, prompt="the cache is", max_tokens=600, stream=True
+    )
+    iterator = iter(stream)
+    next(iterator)
+    next(iterator)
+    # The engine is busy with a 600-token request: health and metrics still answer.
+    t0 = time.perf_counter()
+    assert live.get("/health")[0] == 200
+    assert live.metric("mesh_hicache_server_running") == 1
+    assert time.perf_counter() - t0 < 5
+    stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 60
+    while live.metric("mesh_hicache_server_aborted_total") == aborted:
+        assert time.monotonic() < deadline, "the request was never aborted"
+        time.sleep(0.05)
+    live.wait_idle()
+    assert live.metric("mesh_hicache_server_integrity_errors_total") == 0
+    assert live.server.cache is not None
+    live.server.cache.check_integrity()  # engine idle: nothing leaked
+    # An aborted request's tokens are not counted as served, and it stopped early.
+    assert live.metric("mesh_hicache_server_completion_tokens_total") == generated
+    out = client.completions.create(model=live.server.name, prompt="hello", max_tokens=2)
+    assert len(out.choices[0].token_ids) <= 2
+
+
+def test_later_chat_turns_hit_the_cache(live, checkpoint, reference) -> None:
+    client = live.client()
+    live.wait_idle()
+    hits_before = live.metric("mesh_hicache_hit_tokens_total")
+    messages = [{"role": "system", "content": "w70 w71 w72 w73 w74 w75 w76 w77 w78 w79"}]
+    cached = []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"hello w{90 + turn} world is warm"})
+        out = client.chat.completions.create(model=live.server.name, messages=messages)
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": out.choices[0].message.content})
+        # Served from the cache, the answer is the one recompute gives.
+        prompt = live.server.codec.encode_chat(messages[:-1])
+        assert out.choices[0].message.content == live.server.codec.decode(reference(prompt, 6))
+    assert cached[0] == 0
+    assert all(c > 0 for c in cached[1:]), cached
+    assert cached[2] > cached[1]  # the longer the shared history, the more is reused
+    live.wait_idle()
+    assert live.metric("mesh_hicache_hit_tokens_total") - hits_before == sum(cached)
+
+
+def test_bad_requests_are_openai_errors(live) -> None:
+    client = live.client()
+    name = live.server.name
+    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
+        client.completions.create(model=name, prompt="hello", n=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=name, prompt="hello", max_tokens=601)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-nothing", prompt="hello")
+    with pytest.raises(openai.BadRequestError, match="not in range"):
+        client.completions.create(model=name, prompt=[1, 2, 100000])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=name, messages=[])
