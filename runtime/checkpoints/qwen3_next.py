@@ -12,7 +12,7 @@ Gated DeltaNet tensors: Qwen3-Next packs ``in_proj_qkvz`` per key head ``g`` as
 ``[b_g (H/G) | a_g (H/G)]``; Qwen3.5 has ``in_proj_qkv`` ``[all q | all k | all v]`` and
 separate ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``. Both convs hold channels
 ``[all q | all k | all v]`` without bias. ``q_proj`` holds per query head ``[q_h | gate_h]``.
-Experts: ``gate_up_proj`` ``[X, 2F, D]`` (gate rows first), ``down_proj`` ``[X, D, F]``.
+Experts as saved: ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``.
 """
 
 from __future__ import annotations
@@ -132,24 +132,20 @@ class Qwen3NextAdapter:
         group, rest = param.split(".", 1)
         if group == "shared":
             return _mlp(f"{mlp}.shared_expert", rest)
-        e, part = rest.split(".", 1)
-        f = config.expert_hidden
-        if part == "down":
-            return TensorRef(f"{mlp}.experts.down_proj", expert=int(e))
-        return TensorRef(f"{mlp}.experts.gate_up_proj", 0 if part == "gate" else f, f, int(e))
+        return _mlp(f"{mlp}.experts.{rest.split('.', 1)[0]}", rest.split(".", 1)[1])
 
     def _gdn(self, param: str, prefix: str, config: ModelConfig) -> TensorRef:
         c = config
         dk, dv, g_all, h_all = c.ssm_state_dim, c.ssm_head_dim, c.ssm_groups, c.ssm_heads
         per = h_all // g_all
-        simple = {"dt_bias": "dt_bias", "A_log": "A_log", "norm": "norm.weight"}
+        simple = {"dt_bias": "dt_bias", "A_log": "A_log", "gated_norm": "norm.weight"}
         if param in simple:
             return TensorRef(f"{prefix}.{simple[param]}")
         if param == "out":
             return TensorRef(f"{prefix}.out_proj.weight")
         part, g_text = param.rsplit(".", 1)
         g = int(g_text)
-        key, value = g_all * dk, h_all * dv
+        key = g_all * dk
         # Conv channels (and Qwen3.5's in_proj_qkv rows): [all q | all k | all v].
         flat = {"q": (g * dk, dk), "k": (key + g * dk, dk), "v": (2 * key + g * per * dv, per * dv)}
         if part.startswith("conv_"):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from mesh_hicache.choices import CpKvMode
 from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
 
 ATTENTION = "A"
@@ -26,6 +27,8 @@ MLP = "M"
 MOE = "E"
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 ROUTERS = ("softmax", "sigmoid")
+SSM_KINDS = ("mamba2", "gdn")
+ATTN_KINDS = ("plain", "gated")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -113,6 +116,17 @@ class ModelConfig:
     """Weights are a pure function of (seed, tensor name): same seed, same model, any mesh."""
     dtype: torch.dtype = torch.float32
     """Weights, activations, K/V and conv state. The SSM state is always float32."""
+    ssm_kind: str = "mamba2"
+    """The recurrent mixer of ``S`` layers: ``mamba2`` or ``gdn`` (Gated DeltaNet: then
+    ``ssm_heads``/``ssm_groups`` are the value/key heads, ``ssm_head_dim`` the value and
+    ``ssm_state_dim`` the key head dim; ``runtime.model.gdn``)."""
+    attn_kind: str = "plain"
+    """``plain`` GQA or ``gated`` (Qwen3-Next: per-head output gate, QK RMSNorm)."""
+    norm_offset: float = 0.0
+    """Added to every RMSNorm weight of the residual stream and of QK-norm (1.0 for the
+    ``(1 + w)`` norms of Qwen3-Next / Qwen3.5)."""
+    shared_expert_gate: bool = False
+    """The MoE's shared expert is scaled by ``sigmoid(x @ w_gate)`` (Qwen3-Next)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -171,6 +185,13 @@ class ModelConfig:
                     f"ModelConfig.router_groups={self.router_groups} must divide num_experts "
                     f"and hold router_topk_groups={self.router_topk_groups}"
                 )
+        if self.ssm_kind not in SSM_KINDS or self.attn_kind not in ATTN_KINDS:
+            raise ValueError(
+                f"ModelConfig.ssm_kind={self.ssm_kind!r} / attn_kind={self.attn_kind!r}; "
+                f"valid: {SSM_KINDS} / {ATTN_KINDS}"
+            )
+        if self.ssm_kind == "gdn" and not self.ssm_groups:
+            raise ValueError("ModelConfig.ssm_kind='gdn' needs ssm_groups (key heads) > 0")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"ModelConfig.dtype={self.dtype}; valid: {list(DTYPES.values())}")
 
@@ -253,9 +274,7 @@ class ModelConfig:
             )
         if pp > self.num_layers:
             raise ValueError(f"pp={pp} stages for only {self.num_layers} layers")
-        if cp_kv not in ("replicate", "shard"):
-            raise ValueError(f"cp_kv={cp_kv!r}; valid: ('replicate', 'shard')")
-        if cp_kv == "shard" and page_size % cp:
+        if CpKvMode.parse(cp_kv, "cp_kv") is CpKvMode.SHARD and page_size % cp:
             raise ValueError(f"cp_kv='shard' needs page_size ({page_size}) divisible by cp={cp}")
 
     def state_spec(self, page_size: int) -> StateSpec:

@@ -159,7 +159,7 @@ class GatedDeltaNet:
     Conv channels per local group: ``[v of its local value heads | k_g | q_g]`` (the
     cached conv state's order). Weights, by logical name: ``q.{g}``/``k.{g}`` ``[Dk, D]``,
     ``v.{g}``/``z.{g}`` ``[H/G*Dv, D]``, ``b.{g}``/``a.{g}`` ``[H/G, D]``, ``conv_q.{g}``,
-    ``conv_k.{g}``, ``conv_v.{g}`` ``[channels, K]``, ``dt_bias``/``A_log`` ``[H]``, ``norm``
+    ``conv_k.{g}``, ``conv_v.{g}`` ``[channels, K]``, ``dt_bias``/``A_log`` ``[H]``, ``gated_norm``
     ``[Dv]`` (gated RMSNorm over each value head), ``out`` ``[D, H*Dv]``.
     """
 
@@ -195,7 +195,7 @@ class GatedDeltaNet:
         self.conv_b = torch.zeros(self.conv_w.shape[0], dtype=c.dtype)
         self.dt_bias = weights.get(f"{prefix}.dt_bias", rows=((h0, h1),)).float()
         self.a_log = weights.get(f"{prefix}.A_log", rows=((h0, h1),)).float()
-        self.norm_w = weights.get(f"{prefix}.norm").to(c.dtype)
+        self.norm_w = weights.get(f"{prefix}.gated_norm").to(c.dtype)
         self.w_out = weights.get(f"{prefix}.out", cols=((h0 * dv, h1 * dv),)).to(c.dtype)
 
     def to(self, device: torch.device) -> None:

@@ -20,10 +20,20 @@ from mesh_hicache.spec import StateSpec
 from mesh_hicache.topology import MeshTopology
 from runtime.model.config import ATTENTION, MLP, SSM, ModelConfig
 from runtime.model.ffn import DenseMLP, MoE
+from runtime.model.gated_attention import GatedAttention, GatedSharedMoE
+from runtime.model.gdn import GatedDeltaNet
 from runtime.model.layers import Attention, Mamba2, RMSNorm
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
 from runtime.model.state import SeqState
 from runtime.model.weights import SeededWeights, WeightSource
+
+
+def norm_weight(weights: WeightSource, name: str, config: ModelConfig) -> Tensor:
+    """A residual-stream RMSNorm weight plus ``config.norm_offset`` (``(1 + w)`` norms)."""
+    w = weights.get(name)
+    if config.norm_offset:
+        w = w.float() + config.norm_offset
+    return w.to(config.dtype)
 
 
 class Layer:
@@ -45,23 +55,26 @@ class Layer:
         self.layer_id = layer_id
         self.scale = config.residual_scale
         self.blocks: list[tuple[RMSNorm, object]] = []
-        self.mixer: Attention | Mamba2
+        self.mixer: Attention | Mamba2 | GatedDeltaNet
+        attention = GatedAttention if config.attn_kind == "gated" else Attention
+        recurrent = GatedDeltaNet if config.ssm_kind == "gdn" else Mamba2
+        moe = GatedSharedMoE if config.shared_expert_gate else MoE
         for b in config.layer_blocks()[layer_id]:
             kind, prefix = config.blocks[b], f"blocks.{b}"
-            norm = RMSNorm(weights.get(f"{prefix}.norm").to(config.dtype), config.norm_eps)
+            norm = RMSNorm(norm_weight(weights, f"{prefix}.norm", config), config.norm_eps)
             op: object
             if kind == ATTENTION:
-                op = self.mixer = Attention(
+                op = self.mixer = attention(
                     config, prefix, layer_id, weights, tp, cp_kv=cp_kv, page_size=page_size
                 )
                 self.norm1 = norm
             elif kind == SSM:
-                op = self.mixer = Mamba2(config, prefix, layer_id, weights, tp)
+                op = self.mixer = recurrent(config, prefix, layer_id, weights, tp)
                 self.norm1 = norm
             elif kind == MLP:
                 op = DenseMLP(config, prefix, weights, tp)
             else:
-                op = MoE(config, prefix, weights, tp)
+                op = moe(config, prefix, weights, tp)
             self.blocks.append((norm, op))
 
     def to(self, device: torch.device) -> None:
@@ -79,7 +92,7 @@ class Layer:
             x = norm(h)
             if isinstance(op, Attention):
                 h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp))
-            elif isinstance(op, Mamba2):
+            elif isinstance(op, (Mamba2, GatedDeltaNet)):
                 h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp))
             else:
                 h = self._add(h, op(x, comms.tp))  # type: ignore[operator]
@@ -90,7 +103,7 @@ class Layer:
             x = norm(h)
             if isinstance(op, Attention):
                 h = self._add(h, op.decode(x, state, comms.cp, comms.tp))
-            elif isinstance(op, Mamba2):
+            elif isinstance(op, (Mamba2, GatedDeltaNet)):
                 # Every cp rank runs the same token: the SSM needs no cp exchange.
                 h = self._add(h, op.forward(x, [(0, 1)], state, AxisComm.solo(), comms.tp))
             else:
@@ -153,7 +166,7 @@ class HybridModel:
         self.final_norm: RMSNorm | None = None
         self.lm_head: Tensor | None = None
         if self.is_last_stage:
-            norm = weights.get("final_norm").to(device=self.device, dtype=dtype)
+            norm = norm_weight(weights, "final_norm", c).to(device=self.device)
             self.final_norm = RMSNorm(norm, c.norm_eps)
             # Split by vocab: gathering the logits is exact.
             rows = tp_split(c.vocab_size, tp.size, tp.rank)

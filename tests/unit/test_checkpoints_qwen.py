@@ -1,0 +1,78 @@
+"""Qwen3-Next / Qwen3.5 (Gated DeltaNet hybrids) on one rank equal transformers.
+
+Oracle: transformers' eager PyTorch implementation on the same ``save_pretrained``
+directory. Tolerance (float32): ATOL = 1e-4 on logits of magnitude ~1-10 (only the order
+of float sums differs: our chunked delta rule vs theirs, SDPA vs eager attention).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.checkpoints import load_checkpoint
+from runtime.engine import Engine
+from runtime.model import HybridModel
+from tests.qwen_cases import CASES, build, hf_conv_to_runtime, hf_model, hf_recurrent_to_runtime
+
+ATOL = 1e-4
+PROMPT = 37
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("qwen_ckpt")
+
+
+def _ids(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_state_equal_transformers(root: Path, case: str) -> None:
+    directory = build(case, root)
+    ckpt = load_checkpoint(directory)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    ids = _ids(PROMPT)
+    hf = hf_model(directory)
+    with torch.no_grad():
+        out = hf(ids[None], position_ids=torch.arange(PROMPT)[None], use_cache=True)
+    want = out.logits[0].float()
+    assert want.abs().max() > 1.0  # a non-trivial model
+    state = model.new_state()
+    got = model.prefill(ids, state, all_logits=True)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    c = ckpt.config
+    for layer in range(c.num_layers):
+        if layer in state.k:
+            keys = out.cache.layers[layer].keys[0].transpose(0, 1)
+            values = out.cache.layers[layer].values[0].transpose(0, 1)
+            torch.testing.assert_close(state.k[layer], keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(state.v[layer], values, atol=ATOL, rtol=0)
+        else:
+            conv = hf_conv_to_runtime(out.cache.get_conv_state(layer, state_idx=0)[0], c)
+            rec = hf_recurrent_to_runtime(out.cache.get_recurrent_state(layer, state_idx=0)[0])
+            torch.testing.assert_close(state.conv[layer], conv, atol=ATOL, rtol=0)
+            torch.testing.assert_close(state.ssm[layer], rec, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_equal_generate(root: Path, case: str) -> None:
+    directory = build(case, root)
+    ckpt = load_checkpoint(directory)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    prompt = _ids(21, seed=5)
+    with torch.no_grad():
+        generated = hf_model(directory).generate(
+            prompt[None],
+            attention_mask=torch.ones(1, 21, dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    want = generated[0, 21:].tolist()
+    got = Engine(model, None, max_new_tokens=8).serve(prompt.tolist()).output_ids
+    assert got == want
