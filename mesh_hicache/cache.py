@@ -174,6 +174,8 @@ class HiCache:
 
         Collective. Afterwards ``req.prefix_len``/``prefix_pages``/``mamba_slot`` describe
         the prefix being loaded; use ``req.wait_layer`` and then ``finish_load``.
+        ``RuntimeError`` when called twice for one request (the first load's reservation
+        would leak).
         """
         self._ctl.load(_lease_of(req))
 

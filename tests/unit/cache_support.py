@@ -239,11 +239,25 @@ def pools_fully_free(cache: HiCache) -> bool:
     return all(a.num_free == a.capacity for a in allocators)
 
 
+def _registry_hashes() -> set[str]:
+    any_ns = KeyNamespace(model_id="m", dtype="float32", layout_version=1)
+    return {entry_key(any_ns, i).page_hash.hex() for i in range(MAX_LAYOUTS)}
+
+
+def registry_entries(root: Path | str) -> int:
+    """Writer-layout registry entries (``tiers/discovery.py``) stored under ``root``."""
+    registry = _registry_hashes()
+    count = 0
+    for dirpath, _dirs, files in os.walk(root):
+        if os.path.basename(dirpath) in registry:
+            count += sum(not name.startswith(".tmp-") for name in files)
+    return count
+
+
 def stored_objects(root: Path | str) -> list[tuple[str, str, str]]:
     """(region, page hash hex, slice tag) of every page/state object file under ``root``
     (the writer-layout registry entries of ``tiers/discovery.py`` left out)."""
-    any_ns = KeyNamespace(model_id="m", dtype="float32", layout_version=1)
-    registry = {entry_key(any_ns, i).page_hash.hex() for i in range(MAX_LAYOUTS)}
+    registry = _registry_hashes()
     out = []
     for dirpath, _dirs, files in os.walk(root):
         for name in files:

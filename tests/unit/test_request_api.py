@@ -254,6 +254,20 @@ def test_a_request_of_another_cache_is_refused(make_cache, call):
     assert serve(theirs, A).prefix == 12
 
 
+def test_load_twice_raises_and_leaks_nothing(make_cache):
+    cache = make_cache()
+    serve(cache, A)
+    cache.flush()
+    req = cache.match(A)
+    cache.load(req)
+    with pytest.raises(RuntimeError, match="twice"):
+        cache.load(req)
+    cache.finish_load(req)
+    cache.release(req)
+    cache.flush()
+    cache.check_integrity()
+
+
 @pytest.mark.parametrize("n, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_alloc_pages_refuses_bad_counts(make_cache, n, error):
     cache = make_cache()
