@@ -151,6 +151,10 @@ class Server:
     def follow(self) -> None:
         """Ranks other than 0: serve rank 0's requests until it stops."""
         assert self.group is not None
+        # A signal ends the job through rank 0, whose stop message ends this loop
+        # (torchrun forwards SIGTERM to every rank).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         follow(self.engine, self.group)
 
     def close(self) -> None:

@@ -1,0 +1,161 @@
+"""``python -m runtime.server`` as a user starts it: one rank, and rank 0 of a 2-rank
+torchrun mesh broadcasting every request (and the abort of a disconnected client).
+
+A preset has no tokenizer, so the prompt is a list of token ids and the answer's ids
+come back in ``choices[0].token_ids``; they must equal an engine without a cache.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="needs the openai client (test extra)")
+pytest.importorskip("aiohttp", reason="needs aiohttp (server extra)")
+
+from runtime import serve  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [(7 * i + 3) % 200 for i in range(40)]
+
+
+class Process:
+    """A server subprocess; its URL is read from the line it prints when it listens."""
+
+    def __init__(self, command: list[str], tmp_path: Path) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._url: list[str] = []
+        self._seen = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._seen.wait(120):
+            self.kill()
+            pytest.fail("the server never listened:\n" + "".join(self.lines))
+        if not self._url:
+            pytest.fail("the server exited:\n" + "".join(self.lines))
+        self.url = self._url[0]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+            if found:
+                self._url.append(found.group(1))
+                self._seen.set()
+        self._seen.set()
+
+    def client(self):  # -> openai.OpenAI
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def reference(one_rank_topology) -> Iterator:
+    args = serve.build_parser().parse_args(["--model", "tiny"])
+    engine = Engine(serve.build_model(args, one_rank_topology), None)
+    yield lambda ids, n: engine.serve(ids, max_new_tokens=n).output_ids
+
+
+def _counter(text: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert found, f"{name} not in /metrics"
+    return float(found.group(1))
+
+
+def test_one_rank_cli_token_ids_and_sigterm(tmp_path: Path, reference) -> None:
+    server = Process(
+        [sys.executable, "-m", "runtime.server", "--model", "tiny", "--cache", "host"]
+        + ["--port", "0", "--max-new-tokens", "3"],
+        tmp_path,
+    )
+    try:
+        client = server.client()
+        out = client.completions.create(model="tiny", prompt=PROMPT)
+        assert out.choices[0].token_ids == reference(PROMPT, 3)
+        assert out.choices[0].text == " ".join(str(i) for i in out.choices[0].token_ids)
+        with pytest.raises(openai.BadRequestError, match="list of token ids"):
+            client.completions.create(model="tiny", prompt="text needs a tokenizer")
+        with pytest.raises(openai.BadRequestError, match="chat needs a checkpoint"):
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}]
+            )
+        again = client.completions.create(model="tiny", prompt=PROMPT)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert again.choices[0].token_ids == out.choices[0].token_ids
+    finally:
+        code = server.stop()
+    assert code == 0, "".join(server.lines)
+    assert "2 requests served (1 uncached)" in "".join(server.lines)
+
+
+def test_two_rank_mesh_broadcasts_requests_and_aborts(tmp_path: Path, reference) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip(f"needs torchrun beside {sys.executable}")
+    server = Process(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "runtime.server"]
+        + ["--model", "tiny", "--tp", "2", "--cache", "host", "--port", "0"]
+        + ["--max-new-tokens", "4", "--collective-timeout-s", "20"],
+        tmp_path,
+    )
+    try:
+        client = server.client()
+        out = client.completions.create(model="tiny", prompt=PROMPT)
+        assert out.choices[0].token_ids == reference(PROMPT, 4)
+        # Idle longer than a heartbeat: the waiting rank must not time out.
+        time.sleep(6)
+        stream = client.completions.create(
+            model="tiny", prompt=PROMPT[:20], max_tokens=400, stream=True
+        )
+        chunks = iter(stream)
+        next(chunks)
+        stream.close()
+        deadline = time.monotonic() + 60
+        while _counter(server.metrics(), "mesh_hicache_server_aborted_total") < 1:
+            assert time.monotonic() < deadline, "the abort never happened"
+            time.sleep(0.1)
+        later = client.completions.create(model="tiny", prompt=PROMPT[::-1])
+        assert later.choices[0].token_ids == reference(PROMPT[::-1], 4)
+        text = server.metrics()
+        assert _counter(text, "mesh_hicache_server_integrity_errors_total") == 0
+    finally:
+        server.stop()  # torchrun's own exit code after SIGTERM is its signal's
+    assert "2 requests served (2 uncached), 1 aborted" in "".join(server.lines), "".join(server.lines)
