@@ -158,4 +158,5 @@ def test_two_rank_mesh_broadcasts_requests_and_aborts(tmp_path: Path, reference)
         assert _counter(text, "mesh_hicache_server_integrity_errors_total") == 0
     finally:
         server.stop()  # torchrun's own exit code after SIGTERM is its signal's
-    assert "2 requests served (2 uncached), 1 aborted" in "".join(server.lines), "".join(server.lines)
+    log = "".join(server.lines)
+    assert "2 requests served (2 uncached), 1 aborted" in log, log
