@@ -148,6 +148,7 @@ def _rank_serve(mesh: Any, argv: list[str]) -> dict[str, Any]:
             "storage_put_objects": stats.storage_put_objects,
             "get_hits": s.get_hits,
             "hit_tokens_storage": stats.hit_tokens_storage,
+            "storage_resharded_tokens": stats.storage_resharded_tokens,
             "bytes_storage_to_host": stats.bytes_storage_to_host,
             "storage_put_dropped": stats.storage_put_dropped,
             "degraded": stats.storage_degraded,
