@@ -265,3 +265,45 @@ def test_one_rank_faults_are_agreed(tmp_path):
         assert o["prefetch_host_fail"] == (0, 0) and o["prefetch_skipped"] == 1
         assert o["raising"] == (0, 0, (12, 0, 0))
     assert [o["degraded"] for o in out] == [r == FAULTY for r in range(4)]
+
+
+# -- misuse is refused on every rank together ----------------------------------------------
+
+
+def _misuse_body(mesh: Any, root: str) -> dict[str, Any]:
+    """Every rank makes the same mistakes; each must raise on every rank (checks read only
+    replicated state), and the mesh must go on serving in lockstep afterwards."""
+    cache = HiCache(MeshTopology.from_mesh(mesh), make_spec(), make_config(root))
+    a = list(range(100, 112))
+    serve(cache, a)
+    raised = []
+    req = cache.match(a + list(range(500, 508)))
+    cache.load(req)
+    cache.finish_load(req)
+    pages = req.prefix_pages + cache.alloc_pages(req, 2)
+    for bad in ([pages[0]] * len(pages), pages[:-1] + [10**6]):
+        try:
+            cache.insert(req, a + list(range(500, 508)), bad)
+        except ValueError:
+            raised.append(True)
+    try:
+        cache.alloc_pages(req, -1)
+    except ValueError:
+        raised.append(True)
+    cache.release(req)
+    try:
+        cache.alloc_slot(req)
+    except ValueError:
+        raised.append(True)
+    got = serve(cache, a)
+    cache.flush()
+    cache.check_integrity()
+    out = {"raised": raised, "prefix": got.prefix, "digest": cache.digest()}
+    cache.close()
+    return out
+
+
+def test_misuse_raises_on_every_rank_and_the_mesh_goes_on(tmp_path):
+    out = run_on_mesh((2, 1, 2), _misuse_body, str(tmp_path / "l3"), timeout=120)
+    assert all(o["raised"] == [True] * 4 for o in out)
+    assert all(o["prefix"] == 12 and o["digest"] == out[0]["digest"] for o in out)
