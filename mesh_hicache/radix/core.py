@@ -284,38 +284,6 @@ class TreeCore:
         if not self.has_mamba:
             raise ValueError("Mamba state operation on a RadixTree built with has_mamba=False")
 
-    # compat: callers move to attach/detach
-    def set_host(self, node: TreeNode, host_indices: Sequence[int]) -> None:
-        self.attach(node, Tier.HOST, Family.KV, host_indices)
-
-    # compat: callers move to attach/detach
-    def clear_host(self, node: TreeNode, invalid: bool = False) -> tuple[int, ...]:
-        return self.detach(node, Tier.HOST, Family.KV, invalid)
-
-    # compat: callers move to attach/detach
-    def attach_device(self, node: TreeNode, device_indices: Sequence[int]) -> None:
-        self.attach(node, Tier.DEVICE, Family.KV, device_indices)
-
-    # compat: callers move to attach/detach
-    def clear_device(self, node: TreeNode) -> tuple[int, ...]:
-        return self.detach(node, Tier.DEVICE, Family.KV)
-
-    # compat: callers move to attach/detach
-    def attach_mamba_device(self, node: TreeNode, slot: int) -> None:
-        self.attach(node, Tier.DEVICE, Family.STATE, [slot])
-
-    # compat: callers move to attach/detach
-    def set_mamba_host(self, node: TreeNode, slot: int) -> None:
-        self.attach(node, Tier.HOST, Family.STATE, [slot])
-
-    # compat: callers move to attach/detach
-    def clear_mamba_device(self, node: TreeNode) -> int:
-        return self.detach(node, Tier.DEVICE, Family.STATE)[0]
-
-    # compat: callers move to attach/detach
-    def clear_mamba_host(self, node: TreeNode) -> int:
-        return self.detach(node, Tier.HOST, Family.STATE)[0]
-
     # ---------------------------------------------------- tier state, counts
 
     def _attach(self, node: TreeNode, tier: Tier, family: Family, value: object) -> None:
