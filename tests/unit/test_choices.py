@@ -77,3 +77,17 @@ def test_layout_takes_the_string_or_the_member():
     assert a.page_size_local == b.page_size_local == 2
     with pytest.raises(ValueError, match="cp_kv='bogus'"):
         StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0), "bogus")
+
+
+def test_other_choice_lists_derive_from_the_enums():
+    from mesh_hicache.storage.factory import STORAGE_KINDS
+    from mesh_hicache.storage.keys import REGIONS
+    from runtime.model.config import ModelConfig
+
+    assert STORAGE_KINDS == StorageKind.backends() and REGIONS == RegionName.values()
+    config = ModelConfig()
+    config.check_mesh(tp=1, cp=2, pp=1, page_size=4, cp_kv=CpKvMode.SHARD)
+    with pytest.raises(ValueError, match="cp_kv='bogus'; choose from"):
+        config.check_mesh(tp=1, cp=1, pp=1, page_size=4, cp_kv="bogus")
+    with pytest.raises(ValueError, match="divisible by cp=2"):
+        config.check_mesh(tp=1, cp=2, pp=1, page_size=3, cp_kv="shard")
