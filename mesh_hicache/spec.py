@@ -4,10 +4,14 @@ Three families:
 
 - ``KV`` (full attention): per layer ``K`` and ``V`` of shape ``[tokens, kv_heads, head_dim]``,
   stored in pages of ``page_size`` tokens.
-- ``MAMBA`` (recurrent): per layer a conv state ``[conv_dim, conv_kernel - 1]`` and an SSM
-  state ``[num_heads, head_dim, state_dim]``, one per prefix boundary (a "slot"), not per
-  token. Conv channels are ordered head-major (each SSM head owns ``conv_dim / num_heads``
+- ``MAMBA`` (recurrent): per layer a conv state ``[conv_dim, conv_kernel - 1]`` and a
+  recurrent state ``[num_heads, head_dim, state_dim]``, one per prefix boundary (a "slot"),
+  not per token. Conv channels are ordered head-major (each head owns ``conv_dim / num_heads``
   consecutive channels), so a tp shard of the heads is a contiguous block of channels.
+  It is the one recurrent family (``RecurrentSpec``): the cache never asks which
+  recurrence produced a state. Mamba-2 declares it directly; Gated DeltaNet through
+  :meth:`MambaSpec.gated_deltanet` (its state kept as ``[value_heads, value_dim, key_dim]``).
+  The family's value ``"mamba"`` stays in storage keys for every producer.
 - ``INDEXER`` (optional, sparse attention): per layer a per-token key ``[tokens, key_dim]``,
   paged like KV.
 
@@ -124,6 +128,39 @@ class MambaSpec:
         _check_dtype("MambaSpec", "conv_dtype", self.conv_dtype)
         _check_dtype("MambaSpec", "ssm_dtype", self.ssm_dtype)
 
+    @classmethod
+    def gated_deltanet(
+        cls,
+        *,
+        layer_ids: tuple[int, ...],
+        key_heads: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_kernel: int,
+        conv_dtype: torch.dtype = torch.float32,
+    ) -> MambaSpec:
+        """The recurrent state of Gated DeltaNet layers (Qwen3-Next, Qwen3.5).
+
+        Per layer: a conv state over the q, k, v channels, group-major by key head
+        (``[v of its value heads | k_g | q_g]``, so ``conv_dim = 2*key_heads*key_dim +
+        value_heads*value_dim``), and the delta-rule state, float32, transposed to
+        ``[value_heads, value_dim, key_dim]``. TP shards the value heads (state dim 0 and
+        their v channels) and the key heads like B/C groups (sharded when
+        ``key_heads >= tp``, else replicated to the ranks of their value heads).
+        """
+        return cls(
+            layer_ids=layer_ids,
+            conv_dim=2 * key_heads * key_dim + value_heads * value_dim,
+            conv_kernel=conv_kernel,
+            num_heads=value_heads,
+            head_dim=value_dim,
+            state_dim=key_dim,
+            conv_dtype=conv_dtype,
+            ssm_dtype=torch.float32,
+            num_groups=key_heads,
+        )
+
     def _check_groups(self) -> None:
         g = self.num_groups
         if not isinstance(g, int) or g < 0 or self.num_heads % g:
@@ -145,6 +182,10 @@ class MambaSpec:
     @property
     def ssm_shape(self) -> tuple[int, int, int]:
         return (self.num_heads, self.head_dim, self.state_dim)
+
+
+RecurrentSpec = MambaSpec
+"""The recurrent family's spec under its general name (Mamba-2, Gated DeltaNet, ...)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -291,7 +291,17 @@ class ModelConfig:
                 dtype=self.dtype,
             )
         mamba = None
-        if self.ssm_layers:
+        if self.ssm_layers and self.ssm_kind == "gdn":
+            mamba = MambaSpec.gated_deltanet(
+                layer_ids=self.ssm_layers,
+                key_heads=self.ssm_groups,
+                value_heads=self.ssm_heads,
+                key_dim=self.ssm_state_dim,
+                value_dim=self.ssm_head_dim,
+                conv_kernel=self.conv_kernel,
+                conv_dtype=self.dtype,
+            )
+        elif self.ssm_layers:
             mamba = MambaSpec(
                 layer_ids=self.ssm_layers,
                 conv_dim=self.conv_dim,
