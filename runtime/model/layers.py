@@ -338,16 +338,35 @@ class Mamba2:
         dt = F.softplus(dt_raw.float() + self.dt_bias)  # [T, S]
         dt = dt.clamp(self.dt_min, self.dt_max)
         A = -torch.exp(self.a_log)
-        local = chunked_scan(xs, dt, A, B, C, xs.new_zeros(s, p, n), self.chunk)
-        decays = cp.all_gather((dt * A).sum(0))
-        chained = combine_chunk_states(decays, cp.all_gather(local.final_state), state.ssm[lid])
-        y = local.y + prefix_correction(dt, A, C, chained.initial[cp.rank])
+        if t == 1 and cp.size == 1:  # decode: one recurrent step, no chunk machinery
+            y, final_state = self._step(xs[0], dt[0], A, B[0], C[0], state.ssm[lid])
+        else:
+            local = chunked_scan(xs, dt, A, B, C, xs.new_zeros(s, p, n), self.chunk)
+            decays = cp.all_gather((dt * A).sum(0))
+            states = cp.all_gather(local.final_state)
+            chained = combine_chunk_states(decays, states, state.ssm[lid])
+            y = local.y + prefix_correction(dt, A, C, chained.initial[cp.rank])
+            final_state = chained.final_state
         y = y + self.d_skip[:, None] * xs
         gated = y * F.silu(z.float().view(t, s, p))
         y = self._gated_norm(gated.reshape(t, gs, s // gs * p), tp)
         state.conv[lid] = after.T.contiguous()
-        state.ssm[lid] = chained.final_state
+        state.ssm[lid] = final_state
         return tp.all_reduce(F.linear(y.reshape(t, s * p).to(x.dtype), self.w_out))
+
+    def _step(
+        self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """One token of the recurrence: x ``[S, P]``, dt ``[S]``, B/C ``[Gs, N]``, ssm
+        ``[S, P, N]`` -> (y ``[1, S, P]``, the new state). The same math as a one-token
+        chunked scan from ``ssm``."""
+        gs = self.groups
+        s, p, n = ssm.shape
+        decay = torch.exp(dt * A).view(gs, -1, 1, 1)
+        inject = (dt[:, None] * x).view(gs, -1, p, 1) * B[:, None, None, :]
+        new = (decay * ssm.view(gs, -1, p, n) + inject).view(s, p, n)
+        y = torch.einsum("gkpn,gn->gkp", new.view(gs, -1, p, n), C).reshape(1, s, p)
+        return y, new
 
     def _gated_norm(self, y: Tensor, tp: AxisComm) -> Tensor:
         # RMS over each whole group [T, Gs, channels]; a group split over tp ranks adds
