@@ -252,11 +252,15 @@ class StorageTier:
             return None
         slot = got.slots[0] if got.slots else None
         job = Prefetch(key, start_page, len(hashes), got.pages, slot, list(hashes))
-        job.sources = self._last_sources[: len(hashes)]
-        assert len(job.sources) == len(hashes)
-        if self._has_mamba:
-            job.state_sources = self._other_sources()
-        self._reader.submit(self._run, job)
+        try:
+            job.sources = self._last_sources[: len(hashes)]
+            assert len(job.sources) == len(hashes)
+            if self._has_mamba:
+                job.state_sources = self._other_sources()
+            self._reader.submit(self._run, job)
+        except BaseException:
+            self._free(job, 0)  # nothing is in flight: the reservation goes back at once
+            raise
         return job
 
     def _run(self, job: Prefetch) -> None:

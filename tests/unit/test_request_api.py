@@ -77,6 +77,22 @@ def test_match_leaves_no_lock_when_storage_raises_inside(make_cache, tmp_path):
     cache.check_integrity()
 
 
+def test_match_frees_the_prefetch_reservation_when_starting_it_raises(make_cache, tmp_path):
+    root = tmp_path / "l3"
+    writer = make_cache(root)
+    serve(writer, A)
+    writer.flush()
+    cache = make_cache(root)
+    before = snapshot(cache)
+    reader = internals(cache).controller.l3._reader
+    reader.shutdown()  # submit now raises RuntimeError, after the host pages were reserved
+    with pytest.raises(RuntimeError):
+        cache.match(A)
+    assert snapshot(cache) == before
+    assert no_protection_left(cache) and internals(cache).num_open == 0
+    cache.check_integrity()
+
+
 @pytest.mark.parametrize(
     "bad, error",
     [
