@@ -2,7 +2,7 @@
 
 Cases: ``qwen3_next`` (Qwen3-Next: packed ``in_proj_qkvz``/``in_proj_ba``, MoE with a
 gated shared expert on some layers and dense MLPs on others, two value heads per key
-head), ``qwen35`` (Qwen3.5 dense: separate projections, tied embeddings) and
+head), ``qwen35`` (Qwen3.5 dense: separate projections, tied embeddings, one key head) and
 ``qwen35_moe`` (Qwen3.5 MoE). Weights are re-drawn so the model is non-trivial, then
 ``save_pretrained``. Helpers turn transformers' cache into this runtime's state layout.
 """
@@ -56,6 +56,8 @@ def _config(case: str):
             **common, **moe, num_hidden_layers=4, layer_types=types, mlp_only_layers=[1]
         )
     if case == "qwen35":
+        # One key head for four value heads: under tp=2 the key head is replicated.
+        common["linear_num_key_heads"] = 1
         return transformers.Qwen3_5TextConfig(
             **common, num_hidden_layers=4, layer_types=types, tie_word_embeddings=True
         )
