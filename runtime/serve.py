@@ -1,4 +1,4 @@
-"""Serve a workload with the tiny hybrid model on HiCache, end to end.
+"""Serve a workload or a prompts file with a hybrid model (preset or HF checkpoint) on HiCache.
 
     python -m runtime.serve                                  # one rank, embedded defaults
     torchrun --standalone --nproc-per-node 4 -m runtime.serve --cp 2 --tp 2
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mesh_hicache import __version__
 from mesh_hicache.cache import HiCache
 from mesh_hicache.choices import CpKvMode, PrefetchPolicy, StorageKind, WritePolicy
 from mesh_hicache.config import HiCacheConfig
@@ -41,10 +42,22 @@ from runtime.launch import (
 from runtime.model import HybridModel
 from runtime.model.config import DTYPES, PRESETS
 from runtime.prompts import load_prompts, load_tokenizer
+from runtime.startup_checks import (
+    ProgressBar,
+    StorageWatch,
+    check_storage_start,
+    default_storage_root,
+    fit_warnings,
+    l3_warmth,
+    label_rank_logs,
+    storage_requested,
+    too_long_for_l1,
+)
 from runtime.workloads import WORKLOADS, Turn, make_workload
 
 CACHE_MODES = ("off", "device", "host", "full")
-DEFAULT_STORAGE_ROOT = os.path.join(tempfile.gettempdir(), "mesh_hicache_l3")
+# Per user, persistent: $XDG_CACHE_HOME/mesh_hicache/l3, else ~/.cache/mesh_hicache/l3.
+DEFAULT_STORAGE_ROOT = default_storage_root()
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -60,16 +73,29 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE.jsonl",
         help="serve these requests instead of --workload (see runtime/prompts.py)",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--workload", choices=WORKLOADS, default="multiturn")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--first-prompt-len", type=int, default=512)
-    p.add_argument("--append-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--cp-kv", choices=CpKvMode.values(), default=CpKvMode.REPLICATE.value)
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations"
+    )
+    p.add_argument("--workload", choices=WORKLOADS, default="multiturn", help="the generated trace")
+    p.add_argument("--sessions", type=int, default=8, help="sessions of the trace")
+    p.add_argument("--turns", type=int, default=4, help="turns per session")
+    p.add_argument(
+        "--first-prompt-len", type=int, default=512, help="tokens of a session's first prompt"
+    )
+    p.add_argument("--append-len", type=int, default=64, help="new user tokens of every later turn")
+    p.add_argument("--seed", type=int, default=0, help="trace and preset weights seed")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=8, help="tokens generated per request (greedy)"
+    )
+    p.add_argument(
+        "--page-size", type=int, default=16, help="tokens per KV page (and Mamba checkpoint)"
+    )
+    p.add_argument(
+        "--cp-kv",
+        choices=CpKvMode.values(),
+        default=CpKvMode.REPLICATE.value,
+        help="with --cp > 1: replicate full KV pages on every cp rank, or shard their tokens",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -83,18 +109,32 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-pages", type=int, default=64, help="L1 pages per rank")
     p.add_argument("--host-pages", type=int, default=0, help="L2 pages; 0 = 4 x device pages")
     p.add_argument(
-        "--write-policy", choices=WritePolicy.values(), default=WritePolicy.WRITE_THROUGH.value
+        "--write-policy",
+        choices=WritePolicy.values(),
+        default=WritePolicy.WRITE_THROUGH.value,
+        help="when L1 pages are copied to L2 (and on to L3): at once, on a second hit, "
+        "or on eviction",
     )
     p.add_argument(
         "--prefetch-policy",
         choices=PrefetchPolicy.values(),
         default=PrefetchPolicy.WAIT_COMPLETE.value,
+        help="how long a request waits for its L3 prefetch",
     )
-    p.add_argument("--prefetch-threshold", type=int, default=256)
+    p.add_argument(
+        "--prefetch-threshold",
+        type=int,
+        default=256,
+        help="prefetch from L3 only when it holds at least this many more tokens",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="runtime.serve",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_mesh_args(p)
     add_run_args(p)
     add_cache_args(p)
@@ -104,11 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="off: recompute; device: L1 radix cache; host: L1+L2; full: L1+L2+L3",
     )
-    p.add_argument("--storage", choices=StorageKind.backends(), default=StorageKind.FILE.value)
-    p.add_argument("--storage-root", default=DEFAULT_STORAGE_ROOT, help="file backend root")
+    p.add_argument(
+        "--storage",
+        choices=StorageKind.backends(),
+        default=StorageKind.FILE.value,
+        help="the L3 backend (--cache full); named explicitly, one that cannot start is an error",
+    )
+    p.add_argument(
+        "--storage-root",
+        default=DEFAULT_STORAGE_ROOT,
+        help="file backend root (per user; a second run on it starts with a warm L3)",
+    )
     p.add_argument("--mooncake-master", default="127.0.0.1:50051", help="master HOST:PORT")
-    p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default="tcp")
-    p.add_argument("--mooncake-metadata-server", default="P2PHANDSHAKE")
+    p.add_argument(
+        "--mooncake-protocol", choices=("tcp", "rdma"), default="tcp", help="Mooncake transport"
+    )
+    p.add_argument(
+        "--mooncake-metadata-server", default="P2PHANDSHAKE", help="Mooncake metadata server"
+    )
     p.add_argument("--mooncake-rdma-devices", default="", help="e.g. mlx5_0 (rdma only)")
     p.add_argument(
         "--mooncake-segment-bytes",
@@ -116,7 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="store memory this process contributes (0: objects live in mooncake_client)",
     )
-    p.add_argument("--mooncake-buffer-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--mooncake-buffer-bytes",
+        type=int,
+        default=16 << 20,
+        help="Mooncake client's local transfer buffer",
+    )
     p.add_argument(
         "--storage-retry-s",
         type=float,
@@ -147,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-logits", action="store_true", help="add last-prompt logits to --json")
     p.add_argument("--log-every", type=int, default=8, help="a progress line every N requests")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--log-level",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default="INFO",
+        help="progress is INFO (a bar on a terminal); ranks other than 0 log errors only "
+        "(their warnings repeat rank 0's), prefixed with their (pp, cp, tp)",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
 
 
@@ -348,6 +414,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("decode tokens/s", f"{summary['decode_tokens_per_s']:.1f}"),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
+    if "requests_uncached_l1" in summary:
+        rows.insert(
+            1, ("requests too long for L1 (uncached)", f"{summary['requests_uncached_l1']}")
+        )
+        rows.insert(2, ("requests with no cache hit", f"{summary['requests_no_hit']}"))
+    if "l3" in summary:
+        rows.append(("L3", str(summary["l3"])))
+    if "l3_start_objects" in summary:
+        warm = f"{summary['l3_start_objects']} objects, {summary['l3_start_bytes']} bytes"
+        rows.append(("L3 at start", warm))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
@@ -357,6 +433,11 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     model = build_model(args, topology)
     config = model.config
     cfg = cache_config(args)
+    leader = topology.coords == (0, 0, 0)
+    # How warm L3 is before this run writes to it (rank 0 reads the file root).
+    warm = None
+    if leader and cfg is not None and cfg.storage is StorageKind.FILE:
+        warm = l3_warmth(args.storage_root)
     cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
     checkpoint = choose_model(args.model, config.dtype).checkpoint
     tokenizer = load_tokenizer(checkpoint.tokenizer_path if checkpoint else None)
@@ -365,32 +446,42 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     else:
         trace = workload(args, config.vocab_size)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)
-    leader = topology.coords == (0, 0, 0)
     log = logging.getLogger("runtime.serve")
+    if leader and cache is not None:
+        for warning in fit_warnings(trace, args.max_new_tokens, args.page_size, args.device_pages):
+            log.warning("runtime.serve: warning: %s", warning)
     done: list[RequestResult] = []
+    watch = StorageWatch()
+    bar = ProgressBar(log, sys.stderr)  # a bar on a terminal, INFO lines otherwise
 
     def progress(result: RequestResult) -> None:
         done.append(result)
-        if (
-            leader
-            and not args.quiet
-            and (len(done) % args.log_every == 0 or len(done) == len(trace))
-        ):
+        if leader and cache is not None and cfg is not None and cfg.storage is not StorageKind.NONE:
+            watch.observe(cache.stats().storage_degraded, len(done))
+        last = len(done) == len(trace)
+        if leader and not args.quiet and (bar.live or len(done) % args.log_every == 0 or last):
             part = summarize(done, time.perf_counter() - t0)
-            log.warning(
-                "[%d/%d] hit rate %.1f%% (L1 %d, L2 %d, L3 %d tokens), TTFT p50 %.1f ms",
+            bar.update(
                 len(done),
                 len(trace),
-                100 * part["hit_rate"],
-                part["cached_device"],
-                part["cached_host"],
-                part["cached_storage"],
-                1e3 * part["ttft_p50_s"],
+                f"hit rate {part['hit_rate']:.1%} (L1 {part['cached_device']}, "
+                f"L2 {part['cached_host']}, L3 {part['cached_storage']} tokens), "
+                f"TTFT p50 {1e3 * part['ttft_p50_s']:.1f} ms",
             )
 
     t0 = time.perf_counter()
-    results, wall, stats = serve_trace(engine, trace, progress)
+    with watch:
+        results, wall, stats = serve_trace(engine, trace, progress)
     summary = summarize(results, wall)
+    summary["requests_uncached_l1"] = sum(
+        cache is None
+        or too_long_for_l1(r.prompt_len + len(r.output_ids), args.page_size, args.device_pages)
+        for r in results
+    )
+    summary["requests_no_hit"] = sum(r.cached == 0 for r in results)
+    summary["l3"] = _l3_state(cfg, watch, stats)
+    if warm is not None:
+        summary["l3_start_objects"], summary["l3_start_bytes"] = warm
     # Rank 0's count: L3 tokens assembled from objects written under another mesh.
     summary["storage_resharded_tokens"] = stats.get("storage_resharded_tokens", 0) if stats else 0
     return {
@@ -402,6 +493,19 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     }
 
 
+def _l3_state(cfg: HiCacheConfig | None, watch: StorageWatch, stats: dict | None) -> str:
+    """The summary's L3 line: off, on, or since when and why it was degraded."""
+    if cfg is None or cfg.storage is StorageKind.NONE:
+        return "off"
+    outage = watch.outage
+    if outage is None:
+        return "on" if not (stats and stats.get("storage_degraded")) else "degraded"
+    state = "degraded" if stats and stats.get("storage_degraded") else "recovered, was down"
+    return (
+        f"{state} since request {outage.after_requests} ({outage.after_s:.1f} s): {outage.reason}"
+    )
+
+
 def _with_text(request: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     # Decoded output next to the ids when the checkpoint has a tokenizer.
     if tokenizer is not None:
@@ -410,10 +514,14 @@ def _with_text(request: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s")
     try:
         check_args(args)
+        if args.cache == "full" and storage_requested(argv):
+            # Asked for by name: a backend that cannot start is an error, not a warning.
+            check_storage_start(args.storage, args.storage_root, args.mooncake_master)
         owns_group = not dist.is_initialized()  # an embedding caller keeps its own group
         topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
     except (LaunchError, ValueError) as err:
@@ -421,6 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    label_rank_logs(topology)
     try:
         out = run(args, topology)
     except Exception as err:
