@@ -76,3 +76,21 @@ def test_greedy_tokens_equal_generate(root: Path, case: str) -> None:
     want = generated[0, 21:].tolist()
     got = Engine(model, None, max_new_tokens=8).serve(prompt.tolist()).output_ids
     assert got == want
+
+
+@pytest.mark.parametrize("case", ["qwen3_next", "qwen35"])
+def test_resume_from_every_tier_equals_recompute(
+    root: Path, case: str, one_rank_topology, tmp_path
+):
+    # The recurrent state goes through the cache's one recurrent family (L1, L2, L3;
+    # aligned and unaligned prefixes; evict and reload), like a Mamba-2 state.
+    from tests.engine_cases import ATOL as RESUME_ATOL
+    from tests.engine_cases import resume_scenarios
+
+    directory = build(case, root)
+    checks = resume_scenarios(one_rank_topology, root=str(tmp_path), checkpoint=str(directory))
+    for c in checks:
+        assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
+        assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
+        assert c.tokens_equal, c.label
+    assert {c.tier for c in checks} == {"device", "host", "storage"}
