@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.checkpoints import load_checkpoint  # noqa: E402
 from runtime.model import HybridModel  # noqa: E402
 
-ARCHS = ("granite_moe", "granite_dense", "bamba", "nemotron_h")
+ARCHS = ("granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35")
 
 
 def build_checkpoint(arch: str, directory: Path) -> Path:
@@ -64,6 +64,30 @@ def build_checkpoint(arch: str, directory: Path) -> Path:
             tie_word_embeddings=True,
         )
         model = transformers.GraniteMoeHybridForCausalLM(config)
+    elif arch in ("qwen3_next", "qwen35"):  # Gated DeltaNet hybrids, 3 linear : 1 full
+        gdn: dict[str, Any] = dict(
+            **common,
+            head_dim=64,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            layer_types=["linear_attention" if k == "mamba" else "full_attention" for k in layers],
+            num_hidden_layers=len(layers),
+            intermediate_size=1536,
+        )
+        if arch == "qwen3_next":
+            config = transformers.Qwen3NextConfig(
+                **gdn,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=512,
+                shared_expert_intermediate_size=512,
+            )
+            model = transformers.Qwen3NextForCausalLM(config)
+        else:
+            config = transformers.Qwen3_5TextConfig(**gdn)
+            model = transformers.Qwen3_5ForCausalLM(config)
     elif arch == "bamba":
         config = transformers.BambaConfig(
             **common,

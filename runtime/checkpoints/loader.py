@@ -25,10 +25,13 @@ from runtime.checkpoints.base import (
 from runtime.model.config import PRESETS, ModelConfig, preset
 from runtime.model.weights import WeightSource
 
-ADAPTERS: dict[str, Adapter] = {
-    a.architecture: a
-    for a in (granitemoehybrid.ADAPTER, bamba.ADAPTER, nemotron_h.ADAPTER, *qwen3_next.ADAPTERS)
-}
+_ALL: tuple[Adapter, ...] = (
+    granitemoehybrid.ADAPTER,
+    bamba.ADAPTER,
+    nemotron_h.ADAPTER,
+    *qwen3_next.ADAPTERS,
+)
+ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))
 
 
