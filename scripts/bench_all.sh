@@ -36,8 +36,14 @@ run() {
     "$py" "$@" | tee "$out/$name.txt"
 }
 
+# The TTFT plot needs matplotlib: the `plot` extra (pip install -e '.[plot]').
+plot_args=(--plot "$out/serving_ttft.png")
+if ! "$py" -c "import matplotlib" 2>/dev/null; then
+    echo "== no TTFT plot: matplotlib is missing; install it with: pip install -e '.[plot]'"
+    plot_args=()
+fi
 run serving scripts/bench_serving.py "${serving_args[@]}" --json "$out/serving.json" \
-    --plot "$out/serving_ttft.png" "$@"
+    "${plot_args[@]}" "$@"
 run transfer scripts/bench_transfer.py "${transfer_args[@]}" --json "$out/transfer.json"
 run radix scripts/bench_radix.py "${radix_args[@]}" --json "$out/radix.json"
 echo "== results in $out/"

@@ -310,7 +310,11 @@ def write_plot(modes: Mapping[str, Mapping[str, Any]], path: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"--plot {path}: matplotlib is not installed; skipping the plot", file=sys.stderr)
+        print(
+            f"--plot {path}: matplotlib is not installed (pip install -e '.[plot]'); "
+            "skipping the plot",
+            file=sys.stderr,
+        )
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, m in modes.items():
