@@ -105,3 +105,58 @@ def test_same_mesh_restart_reads_no_reshard(tmp_path):
     for *checks, resharded in out:
         assert all(cached > 0 and equal for cached, _, equal in checks)
         assert resharded == 0
+
+
+def _phase_prompts(mesh, root: str, prompts: list[list[int]], read: bool):
+    topo = MeshTopology.from_mesh(mesh)
+    config = preset("tiny", ssm_groups=2)
+    model = HybridModel(config, topo, page_size=PAGE)
+    cfg = HiCacheConfig(
+        device_pages=16,
+        device_mamba_slots=8,
+        host_pages=64,
+        storage="file",
+        storage_options={"root": root},
+        prefetch_threshold=16,
+    )
+    cache = HiCache(topo, config.state_spec(PAGE), cfg)
+    engine = Engine(model, cache, max_new_tokens=4, keep_logits=True)
+    out = []
+    for p in prompts:
+        got = engine.serve(p)
+        if read:
+            want = Engine(model, None, max_new_tokens=4).serve(p)
+            out.append((got.cached_storage, got.output_ids == want.output_ids))
+    cache.flush()
+    out.append(cache.stats().storage_resharded_tokens)
+    cache.close()
+    return out
+
+
+def test_missing_state_cuts_a_resharded_hit_back_to_a_stored_one(tmp_path):
+    """The writer stored KV for 6 pages but (after the states of pages 5-6 are removed)
+    states only up to page 4: the reader on another mesh keeps the prefix up to the
+    deepest boundary with a state, agreed over its ranks, and still equals recompute."""
+    from mesh_hicache.radix import RadixKey
+
+    rng = random.Random(3)
+    vocab = preset("tiny").vocab_size
+    short = [rng.randrange(vocab) for _ in range(4 * PAGE + 1)]
+    long = short + [rng.randrange(vocab) for _ in range(2 * PAGE)]
+    root = tmp_path / "l3"
+    run_on_mesh((1, 1, 2), _phase_prompts, str(root), [short, long], False, timeout=240)
+    hashes = RadixKey(tuple(long)).page_hashes(PAGE)
+    removed = 0
+    for region in ("mamba_conv", "mamba_ssm"):
+        for h in hashes[4:]:
+            for d in root.glob(f"v1/*/{region}/{h.hex()}"):
+                for f in d.iterdir():
+                    f.unlink()
+                    removed += 1
+    assert removed > 0, "the writer stored no state past page 4: nothing to cut"
+    turn = long + [5, 6, 7]
+    out = run_on_mesh((2, 1, 1), _phase_prompts, str(root), [turn], True, timeout=240)
+    for (cached, equal), resharded in out:
+        assert equal
+        assert 0 < cached <= 4 * PAGE, cached
+        assert resharded >= cached
