@@ -4,6 +4,12 @@ Keys: one object per (region, chained page hash) for paged regions and per (regi
 hash of the boundary's last page) for Mamba state regions, each naming this rank's
 global slice (DESIGN.md section 8). Only the elected writer of a region writes it.
 
+Reshard on read: past the first page this mesh did not store itself, the existence query
+asks the other writer meshes recorded under the namespace (``tiers/discovery.py``) and
+records, per page, which mesh it will read from; the prefetch then fetches the objects
+of that mesh that intersect this rank's rows and assembles them (``tiers/reshard.py``).
+The hit is agreed exactly like a same-mesh one (each rank counts what it can assemble).
+
 Thread story: two threads of its own, one FIFO each, so a prefetch never queues behind
 backups: ``l3-write`` runs the puts that :meth:`StorageTier.write` submits (the backup
 queue consumes their futures), ``l3-read`` runs prefetch reads. Neither issues a
@@ -21,6 +27,7 @@ reservation's (``alloc``) when it starts a prefetch; :meth:`finish_prefetch` 1 o
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +47,8 @@ from mesh_hicache.storage.keys import KeyNamespace, StorageKey
 from mesh_hicache.tiers.alloc import TierAllocator
 from mesh_hicache.tiers.discovery import LayoutRegistry
 from mesh_hicache.tiers.reshard import MeshLayoutId, ObjectRead, SourcePlan, assemble, plan_source
+
+logger = logging.getLogger(__name__)
 
 #: Pages per storage read batch: the unit at which a prefetch can be stopped.
 PREFETCH_BATCH_PAGES = 16
@@ -118,6 +127,7 @@ class StorageTier:
         self._last_sources: list[SourcePlan | None] = []
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-read")
+        self._write_error_kinds: set[str] = set()  # logged once each (l3-write thread only)
         self._closed = False
 
     def key(self, region: RegionLayout, page_hash: bytes) -> StorageKey:
@@ -149,7 +159,22 @@ class StorageTier:
     def _put(self, keys: list[StorageKey], rows: list[torch.Tensor]) -> int:
         if not keys:
             return 0
-        flags = self.backend.put(keys, rows)
+        try:
+            flags = self.backend.put(keys, rows)
+        except Exception as err:  # nobody reads the future's error: count and log it here
+            self._stats.record_write_error()
+            kind = type(err).__name__
+            if kind not in self._write_error_kinds:
+                self._write_error_kinds.add(kind)
+                logger.warning(
+                    "L3 write of %d objects failed on the write thread (%s: %s); they are not "
+                    "stored, counted in storage_write_errors, further %s errors not logged",
+                    len(keys),
+                    kind,
+                    err,
+                    kind,
+                )
+            return 0
         written = sum(r.numel() * r.element_size() for r, ok in zip(rows, flags, strict=True) if ok)
         self._stats.record_put(sum(flags), len(flags) - sum(flags), written)
         return written
