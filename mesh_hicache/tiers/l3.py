@@ -4,11 +4,9 @@ Keys: one object per (region, chained page hash) for paged regions and per (regi
 hash of the boundary's last page) for Mamba state regions, each naming this rank's
 global slice (DESIGN.md section 8). Only the elected writer of a region writes it.
 
-Reshard on read: past the first page this mesh did not store itself, the existence query
-asks the other writer meshes recorded under the namespace (``tiers/discovery.py``) and
-records, per page, which mesh it will read from; the prefetch then fetches the objects
-of that mesh that intersect this rank's rows and assembles them (``tiers/reshard.py``).
-The hit is agreed exactly like a same-mesh one (each rank counts what it can assemble).
+Reshard on read: past what this mesh stored itself, pages (and states) are read from the
+other writer meshes recorded under the namespace (``discovery.py``, ``reshard.py``); the
+hit is agreed like a same-mesh one (each rank counts what it can assemble).
 
 Thread story: two threads of its own, one FIFO each, so a prefetch never queues behind
 backups: ``l3-write`` runs the puts that :meth:`StorageTier.write` submits (the backup
