@@ -235,6 +235,7 @@ class HiCacheController:
         if self.l3 is not None and not self.l3.closed:
             backend = self.l3.backend
             snap.storage_errors = backend.stats.errors
+            snap.storage_write_errors += backend.stats.write_errors
             snap.storage_degraded = bool(getattr(backend, "degraded", False))
         return snap
 

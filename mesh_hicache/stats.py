@@ -55,6 +55,9 @@ class CacheStats:
     storage_put_dropped: int = 0
     storage_get_misses: int = 0
     storage_errors: int = 0
+    storage_write_errors: int = 0
+    """Batched L3 writes that failed with an error (in the backend, counted by the guard,
+    or on the write thread itself); their objects are not stored."""
     storage_degraded: bool = False
     prefetch_skipped_host_full: int = 0
     prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
@@ -135,6 +138,11 @@ class CacheStats:
             self.storage_put_objects += objects
             self.storage_put_dropped += dropped
             self.bytes_host_to_storage += num_bytes
+
+    def record_write_error(self) -> None:
+        """One batched L3 write that raised on the write thread."""
+        with self.lock:
+            self.storage_write_errors += 1
 
     def record_reshard(self, tokens: int) -> None:
         """Tokens of one prefetch that were assembled from another mesh's objects."""

@@ -543,3 +543,22 @@ def test_finish_load_misuse_raises_under_python_O():
     )
     assert out.returncode == 0, out.stderr
     assert "raised: finish_load(req) called before load(req)" in out.stdout
+
+
+def test_write_thread_errors_are_counted_and_logged_once(make_cache, tmp_path, caplog):
+    # A write that raises on the write thread (here: the guard's own put fails) once
+    # vanished with its future; now it is counted and logged once.
+    cache = make_cache(tmp_path / "l3", write_policy="write_through")
+    storage = internals(cache).storage
+    assert storage is not None
+    storage.put = RaisingBackend().put  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="mesh_hicache.tiers.l3"):
+        results = [serve(cache, t) for t in (A, B, C)]
+        cache.flush()
+    assert all(r.mismatches == 0 for r in results)
+    assert cache.stats().storage_write_errors == 3
+    logged = [r for r in caplog.records if "failed on the write thread" in r.getMessage()]
+    assert len(logged) == 1 and "ConnectionError" in logged[0].getMessage()
+    again = serve(cache, A).served  # still served, from L1/L2
+    assert again.device + again.host == 12 and again.storage == 0
+    cache.check_integrity()
