@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -49,7 +50,6 @@ from mesh_hicache.topology import MeshTopology
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine
 from runtime.launch import LaunchError, init_mesh, mesh_failure
-from runtime.model.config import DTYPES
 from runtime.server_text import StreamDecoder, TextCodec
 from runtime.server_worker import (
     EngineWorker,
@@ -59,6 +59,7 @@ from runtime.server_worker import (
     ServerCounters,
     follow,
 )
+from runtime.startup_checks import check_storage_start, label_rank_logs, storage_requested
 
 log = logging.getLogger("runtime.server")
 
@@ -451,11 +452,13 @@ async def run_http(server: Server, stop: asyncio.Event, on_ready: Callable[[int]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s")
     try:
         serve.check_args(args)
+        if args.cache == "full" and storage_requested(argv):
+            check_storage_start(args.storage, args.storage_root, args.mooncake_master)
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         if args.max_tokens_limit < args.max_new_tokens:
@@ -463,12 +466,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--max-tokens-limit {args.max_tokens_limit} is below --max-new-tokens "
                 f"{args.max_new_tokens}"
             )
-        choose_model(args.model, DTYPES[args.dtype])
         owns_group = not dist.is_initialized()
         topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
     except (LaunchError, ValueError) as err:
         print(f"runtime.server: error: {err}", file=sys.stderr)
         return 2
+    label_rank_logs(topology)
     try:
         server = Server(args, topology)
         if server.leader:
@@ -483,8 +486,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"runtime.server: error: rank {topology.coords}: {cause}", file=sys.stderr)
         sys.stderr.flush()
-        import os
-
         os._exit(3)
     if owns_group:
         dist.destroy_process_group()

@@ -160,3 +160,19 @@ def test_two_rank_mesh_broadcasts_requests_and_aborts(tmp_path: Path, reference)
         server.stop()  # torchrun's own exit code after SIGTERM is its signal's
     log = "".join(server.lines)
     assert "2 requests served (2 uncached), 1 aborted" in log, log
+
+
+def test_unusable_storage_root_is_an_error_before_listening(tmp_path: Path) -> None:
+    root = tmp_path / "not-a-dir"
+    root.write_text("x")
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.server", "--model", "tiny", "--port", "0"]
+        + ["--storage-root", str(root)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert str(root) in proc.stderr and "is not a directory" in proc.stderr
+    assert "serving" not in proc.stdout
