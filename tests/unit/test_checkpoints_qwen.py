@@ -94,3 +94,38 @@ def test_resume_from_every_tier_equals_recompute(
         assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
         assert c.tokens_equal, c.label
     assert {c.tier for c in checks} == {"device", "host", "storage"}
+
+
+def test_bfloat16_close_to_transformers(root: Path) -> None:
+    # bfloat16 rounding on this random model moves transformers' own logits by ~0.8 (of a
+    # scale ~4) from its float32 ones; ours must stay as close to float32 as transformers'
+    # bfloat16 (at most 1.5x its error), which a wrong bfloat16 path would not.
+    directory = build("qwen3_next", root)
+    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
+    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    assert model.blocks[0].mixer.w_out.dtype == torch.bfloat16
+    ids = _ids(PROMPT)
+    with torch.no_grad():
+        exact = hf_model(directory)(ids[None]).logits[0].float()
+        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
+    got = model.prefill(ids, model.new_state(), all_logits=True)
+    their_err = (theirs - exact).abs().max()
+    assert 0 < their_err < 0.5 * exact.abs().max()
+    assert (got - exact).abs().max() <= 1.5 * their_err
+
+
+def test_config_follows_the_checkpoint(root: Path) -> None:
+    c = load_checkpoint(build("qwen3_next", root)).config
+    assert (c.layer_pattern, c.blocks) == ("SSAS", "SESMAESE")  # layer 1 is mlp-only
+    assert (c.ssm_kind, c.attn_kind, c.norm_offset, c.shared_expert_gate) == (
+        "gdn",
+        "gated",
+        1.0,
+        True,
+    )
+    assert (c.ssm_heads, c.ssm_groups, c.ssm_head_dim, c.ssm_state_dim) == (4, 2, 6, 8)
+    assert c.rope_dim == 4  # partial rotary 0.5 of head_dim 8
+    rec = c.state_spec(16).mamba
+    assert rec is not None and rec.ssm_shape == (4, 6, 8) and rec.conv_dim == 2 * 2 * 8 + 4 * 6
+    d = load_checkpoint(build("qwen35", root)).config
+    assert (d.blocks, d.ssm_groups, d.tie_embeddings) == ("SMSMAMSM", 1, True)
