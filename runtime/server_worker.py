@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.engine import Engine, RequestResult
+from runtime.startup_checks import pages_needed, too_long_for_l1
 
 log = logging.getLogger("runtime.server")
 
@@ -179,10 +180,11 @@ class ServerCounters:
         self.completion_tokens = 0
         self.integrity_errors = 0
         self.running = 0
+        self.warned_l1 = False
 
     def as_dict(self) -> dict[str, int]:
         with self.lock:
-            return {k: v for k, v in vars(self).items() if k != "lock"}
+            return {k: v for k, v in vars(self).items() if k not in ("lock", "warned_l1")}
 
 
 class EngineWorker(threading.Thread):
@@ -254,7 +256,25 @@ def serve_one(
     engine: Engine, prompt: list[int], max_new_tokens: int, counters: ServerCounters
 ) -> JobOutcome:
     """Run one request through ``engine`` (collective); an abort releases it, and the
-    cache's integrity is checked after every abort (a failure is counted and logged)."""
+    cache's integrity is checked after every abort (a failure is counted and logged).
+    A request L1 cannot hold is served uncached, with one warning per server."""
+    cache = engine.cache
+    if cache is not None and too_long_for_l1(
+        len(prompt) + max_new_tokens, cache.page_size, cache.config.device_pages
+    ):
+        with counters.lock:
+            first = not counters.warned_l1
+            counters.warned_l1 = True
+        if first:
+            log.warning(
+                "runtime.server: warning: a request of %d tokens (prompt + max_tokens) does "
+                "not fit L1 (--device-pages %d x --page-size %d): served uncached; raise "
+                "--device-pages to at least %d (further ones are counted as uncached)",
+                len(prompt) + max_new_tokens,
+                cache.config.device_pages,
+                cache.page_size,
+                pages_needed(len(prompt) + max_new_tokens, cache.page_size),
+            )
     try:
         result = engine.serve(prompt, max_new_tokens=max_new_tokens)
     except Aborted:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 import time
@@ -304,3 +305,23 @@ def test_bad_requests_are_openai_errors(live) -> None:
         client.completions.create(model=name, prompt=[1, 2, 100000])
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=name, messages=[])
+
+
+def test_a_request_l1_cannot_hold_is_served_uncached_with_one_warning(
+    checkpoint, one_rank_topology, reference, caplog
+) -> None:
+    argv = ["--model", str(checkpoint), "--page-size", "4", "--device-pages", "4"]
+    argv += ["--cache", "host", "--max-new-tokens", "3"]
+    small = LiveServer(argv, one_rank_topology)
+    try:
+        prompt = " ".join(["hello world the cache"] * 5)  # 20 tokens + 3 > 4 pages of 4
+        with caplog.at_level(logging.WARNING, logger="runtime.server"):
+            for _ in range(2):
+                out = small.client().completions.create(model=small.server.name, prompt=prompt)
+                assert out.choices[0].token_ids == reference(_encode(checkpoint, prompt), 3)
+                assert out.usage.prompt_tokens_details.cached_tokens == 0
+        warned = [r.getMessage() for r in caplog.records if "does not fit L1" in r.getMessage()]
+        assert len(warned) == 1 and "at least 6" in warned[0], warned
+        assert small.metric("mesh_hicache_server_uncached_total") == 2
+    finally:
+        small.close()
