@@ -176,3 +176,14 @@ def test_unusable_storage_root_is_an_error_before_listening(tmp_path: Path) -> N
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert str(root) in proc.stderr and "is not a directory" in proc.stderr
     assert "serving" not in proc.stdout
+
+
+def test_help_names_the_http_flags_with_defaults_and_hides_trace_flags() -> None:
+    from runtime.server import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert "--port" in text and "(default: 8000)" in text and "(default: 127.0.0.1)" in text
+    assert "--workload" not in text and "--sessions" not in text and "--json" not in text
+    assert [a.dest for a in parser._actions if not a.help] == []
+    assert parser.prog == "runtime.server"
