@@ -1,4 +1,4 @@
-"""HiCache: the public facade a serving engine calls (DESIGN.md section 1).
+"""HiCache: the public facade a serving engine calls (docs/DESIGN.md section 1).
 
 Per request, on every rank of the mesh, in the same order (each call is collective)::
 

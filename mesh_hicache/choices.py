@@ -40,7 +40,7 @@ class Choice(str, enum.Enum):
 
 
 class WritePolicy(Choice):
-    """When device copies are backed up to host (DESIGN.md section 7)."""
+    """When device copies are backed up to host (docs/DESIGN.md section 7)."""
 
     WRITE_THROUGH = "write_through"
     """On insert."""
@@ -51,7 +51,7 @@ class WritePolicy(Choice):
 
 
 class PrefetchPolicy(Choice):
-    """When an L3 prefetch stops (DESIGN.md section 7)."""
+    """When an L3 prefetch stops (docs/DESIGN.md section 7)."""
 
     BEST_EFFORT = "best_effort"
     """Take what arrived when the request is loaded."""
@@ -75,7 +75,7 @@ class StorageKind(Choice):
 
 
 class CpKvMode(Choice):
-    """How KV pages are placed over the cp axis (DESIGN.md section 9)."""
+    """How KV pages are placed over the cp axis (docs/DESIGN.md section 9)."""
 
     REPLICATE = "replicate"
     """Every cp rank keeps full pages."""
@@ -93,7 +93,7 @@ class TransferBackend(Choice):
 
 
 class RegionName(Choice):
-    """Names of the host-pool tensors (DESIGN.md section 4); part of every storage key."""
+    """Names of the host-pool tensors (docs/DESIGN.md section 4); part of every storage key."""
 
     KV = "kv"
     INDEXER = "indexer"

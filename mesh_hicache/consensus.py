@@ -1,4 +1,4 @@
-"""Cross-rank agreement over a sub-mesh (DESIGN.md section 7).
+"""Cross-rank agreement over a sub-mesh (docs/DESIGN.md section 7).
 
 Every decision that depends on rank-local state is made as reserve -> agree -> commit
 or abort. ``Consensus`` is the "agree" step: each call is exactly one collective on its

@@ -1,6 +1,6 @@
 """HiCacheController: builds the tiers of one rank, wires them, checks them, closes them.
 
-DESIGN.md sections 5-8. The controller owns the device pools (L1), the host pools (L2),
+docs/DESIGN.md sections 5-8. The controller owns the device pools (L1), the host pools (L2),
 the transfer engine, the radix tree and the storage backend (L3) and hands them to the
 parts in ``mesh_hicache/tiers/``, one concern each:
 
@@ -18,7 +18,7 @@ tree shape) is deterministic, so identical call sequences give identical trees, 
 slots and allocations everywhere. Each tier's module docstring lists its agreements.
 
 Why agree over the whole mesh (pp too) rather than per cache group: host slot ``s`` must
-hold the same logical page on every rank, pp stages included (DESIGN.md section 4). The
+hold the same logical page on every rank, pp stages included (docs/DESIGN.md section 4). The
 bundled runtime drives every rank through the same request sequence in lockstep, so a
 mesh-wide agreement never waits on a stage that is busy elsewhere.
 

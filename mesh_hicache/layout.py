@@ -1,4 +1,4 @@
-"""Placements -> local shard shape, global slice, writer election (DESIGN.md section 4).
+"""Placements -> local shard shape, global slice, writer election (docs/DESIGN.md section 4).
 
 Every host-pool tensor is a *region* with a fixed name (:class:`RegionName`): ``kv`` (K and
 V together), ``indexer``, ``mamba_conv`` and ``mamba_ssm`` (conv and SSM states may have

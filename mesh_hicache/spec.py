@@ -1,4 +1,4 @@
-"""StateSpec: the model's state families, their shapes and dtypes (DESIGN.md section 4).
+"""StateSpec: the model's state families, their shapes and dtypes (docs/DESIGN.md section 4).
 
 Three families:
 

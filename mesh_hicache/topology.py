@@ -1,4 +1,4 @@
-"""MeshTopology: the only source of rank identity (DESIGN.md section 3).
+"""MeshTopology: the only source of rank identity (docs/DESIGN.md section 3).
 
 Every component below ``runtime/launch.py`` learns who it is from a ``MeshTopology``:
 coordinates on named axes, axis sizes, sub-meshes and process groups. No component

@@ -1,6 +1,6 @@
 """PageAllocator: deterministic index allocation for device pages, host pages and slots.
 
-Trees and host indices must be identical on every rank (DESIGN.md section 4), so the
+Trees and host indices must be identical on every rank (docs/DESIGN.md section 4), so the
 allocator is a pure function of its call sequence: ``allocate`` always returns the lowest
 free indices, in increasing order. Ranks that make the same calls get the same indices.
 """

@@ -1,4 +1,4 @@
-"""The radix tree's structure and the mutations that keep its invariants (DESIGN.md section 5).
+"""The radix tree's structure and the mutations that keep its invariants (docs/DESIGN.md section 5).
 
 ``TreeCore`` owns the nodes, the per-tier totals and the eviction queues, and offers the
 one verb pair for tier transitions (``attach`` / ``detach``, keyed by ``Tier`` and

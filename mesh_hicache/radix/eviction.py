@@ -1,4 +1,4 @@
-"""Eviction policies of the radix tree (DESIGN.md section 5).
+"""Eviction policies of the radix tree (docs/DESIGN.md section 5).
 
 A policy ranks eviction candidates; the tree decides which nodes are candidates (unlocked,
 unprotected, no dependent children on that tier) and what evicting one means. The tree

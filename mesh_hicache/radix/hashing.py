@@ -1,4 +1,4 @@
-"""Radix keys, packed tokens and chained page hashes (DESIGN.md section 5).
+"""Radix keys, packed tokens and chained page hashes (docs/DESIGN.md section 5).
 
 Token ids are validated once, in bulk, when a ``RadixKey`` is built from a caller's
 sequence: ints (not bool, not float) in ``[0, 2**63)``. The key stores them packed as

@@ -1,4 +1,4 @@
-"""Read-only checks of a radix tree: ``check_integrity`` and ``digest`` (DESIGN.md section 5).
+"""Read-only checks of a radix tree: ``check_integrity`` and ``digest`` (docs/DESIGN.md section 5).
 
 Nothing here mutates the tree (lazily computed page hashes are recomputed locally, never
 stored), so a check can run between any two operations without changing what follows.

@@ -1,4 +1,4 @@
-"""Radix tree nodes and the results of tree operations (DESIGN.md section 5).
+"""Radix tree nodes and the results of tree operations (docs/DESIGN.md section 5).
 
 Index conventions: device pages, host pages and Mamba state slots are plain ints (the
 pools' indices). A node's ``device_indices`` / ``host_indices`` are tuples with one page

@@ -1,4 +1,4 @@
-"""Eviction candidate queues of the radix tree (DESIGN.md section 5).
+"""Eviction candidate queues of the radix tree (docs/DESIGN.md section 5).
 
 One sorted queue per ``EvictTarget`` holds exactly the nodes that are candidates for that
 target right now, each once (its entry lives in ``node.queue_entry``), so a queue never

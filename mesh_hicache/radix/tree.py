@@ -1,4 +1,4 @@
-"""The hybrid radix tree: KV pages and Mamba checkpoints per tier (DESIGN.md section 5).
+"""The hybrid radix tree: KV pages and Mamba checkpoints per tier (docs/DESIGN.md section 5).
 
 Structure: one sentinel root per namespace; below it, nodes that each hold a run of whole
 pages (``page_size`` tokens each) packed as int64 bytes, keyed in their parent by the

@@ -1,4 +1,4 @@
-"""The L3 storage interface every backend implements (DESIGN.md section 8).
+"""The L3 storage interface every backend implements (docs/DESIGN.md section 8).
 
 Contract, shared by all backends:
 

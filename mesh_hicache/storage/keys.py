@@ -1,4 +1,6 @@
-"""Versioned storage key schema and the object format shared by every backend (DESIGN.md 8).
+"""Versioned storage key schema and the object format every backend shares.
+
+docs/DESIGN.md section 8.
 
 A key names one object: one page (or, for Mamba, one prefix-boundary slot) of one
 region, for one shard's global slice, under one namespace::

@@ -1,4 +1,4 @@
-"""The ``mooncake`` backend: L3 objects in a Mooncake distributed store (DESIGN.md 8).
+"""The ``mooncake`` backend: L3 objects in a Mooncake distributed store (docs/DESIGN.md section 8).
 
 Objects have the byte format of every backend (``keys.py``): a 64-byte header (key
 digest, payload length, checksum) followed by the payload. They are moved with

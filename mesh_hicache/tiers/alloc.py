@@ -1,4 +1,4 @@
-"""Agreed allocation and eviction across the tiers (DESIGN.md section 7).
+"""Agreed allocation and eviction across the tiers (docs/DESIGN.md section 7).
 
 Owns every free and allocate call on the device (L1) and host (L2) pool allocators, and
 the eviction that makes room: the tree picks victims, this module returns what they freed

@@ -1,6 +1,6 @@
 """The backup queue (device -> host -> L3) and the one owner of the write policy.
 
-Write policy (DESIGN.md section 7), decided here and nowhere else:
+Write policy (docs/DESIGN.md section 7), decided here and nowhere else:
 
 - ``write_through``: :meth:`BackupQueue.on_insert` backs up the inserted path;
 - ``write_through_selective``: :meth:`BackupQueue.on_match` backs up nodes on their

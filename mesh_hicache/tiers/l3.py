@@ -2,7 +2,7 @@
 
 Keys: one object per (region, chained page hash) for paged regions and per (region,
 hash of the boundary's last page) for Mamba state regions, each naming this rank's
-global slice (DESIGN.md section 8). Only the elected writer of a region writes it.
+global slice (docs/DESIGN.md section 8). Only the elected writer of a region writes it.
 
 Reshard on read: past what this mesh stored itself, pages (and states) are read from the
 other writer meshes recorded under the namespace (``discovery.py``, ``reshard.py``); the
@@ -391,7 +391,7 @@ class StorageTier:
         """Apply the stop policy, agree on what arrived and insert it host-only.
 
         The kept prefix ends at the deepest page boundary that every rank has the KV up
-        to and a state at (DESIGN.md section 5): a prefetch that got KV but no state
+        to and a state at (docs/DESIGN.md section 5): a prefetch that got KV but no state
         there is cut back to a shallower stored state, or to nothing. Returns the tokens
         now on host beyond the job's start. Collective (1 or 2 agreements).
         """

@@ -1,9 +1,9 @@
 """Lease: the protections one holder keeps in the tree, each undone exactly once.
 
-Two kinds of protection, both counted along the whole path to the root (DESIGN.md
-section 5): a *lock* keeps a node's device copy (it is never evicted from device) and a
-*host protection* keeps its host copy. Requests hold one locked and one host-protected
-node that move deeper as the request proceeds; a backup holds every node it copies
+Two kinds of protection, both counted along the whole path to the root
+(docs/DESIGN.md section 5): a *lock* keeps a node's device copy (never evicted from
+device) and a *host protection* keeps its host copy. Requests hold one locked and one
+host-protected node that move deeper as the request proceeds; a backup holds every node it copies
 until the copy (and its L3 write) is consumed. Both go through this class, so the lock
 protocol lives in one place.
 

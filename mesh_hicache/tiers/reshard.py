@@ -1,6 +1,6 @@
 """Reshard on read: which stored objects of another mesh cover this rank's rows.
 
-A stored object is one writer rank's local row of one region (DESIGN.md section 4): its
+A stored object is one writer rank's local row of one region (docs/DESIGN.md section 4): its
 bytes are the writer's ``local_shape``, and every dim of that row maps to a set of
 *global* coordinates derived from the writer's placements (the layout's global slice),
 never from rank numbers. Per dim, a :data:`DimMap` lists ``(global start, global stop,

@@ -1,4 +1,4 @@
-"""The transfer engine interface and its contract (DESIGN.md section 6).
+"""The transfer engine interface and its contract (docs/DESIGN.md section 6).
 
 An operation copies a set of pages and Mamba slots between this rank's L1 device pools
 and L2 host pools: ``backup`` device -> host, ``load`` host -> device. ``kv_pages`` is a

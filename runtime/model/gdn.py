@@ -13,7 +13,7 @@ The cache keeps ``S`` transposed, ``[H, Dv, Dk]``: to the cache a Gated DeltaNet
 a recurrent state exactly like Mamba-2's ``[heads, head_dim, state_dim]`` with
 ``head_dim = Dv`` and ``state_dim = Dk``, and its conv channels are group-major like
 Mamba-2's ``[x of the group's heads, B_g, C_g]`` with (v, k, q) in the places of
-(x, B, C). One family, no branch on the recurrence (DESIGN.md section 11).
+(x, B, C). One family, no branch on the recurrence (docs/DESIGN.md section 4).
 
 Context parallelism: the state update is affine in the entering state,
 ``S_end = M S_in + S_local`` with ``M = A_T ... A_1`` (``A_t = exp(g_t)(I - beta_t k_t k_t^T)``,

@@ -1,4 +1,4 @@
-"""MeshTopology on real multi-rank meshes (DESIGN.md section 3)."""
+"""MeshTopology on real multi-rank meshes (docs/DESIGN.md section 3)."""
 
 from __future__ import annotations
 

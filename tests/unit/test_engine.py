@@ -1,4 +1,7 @@
-"""The engine on one rank: cached prefill equals recompute from every tier (DESIGN.md 10)."""
+"""The engine on one rank: cached prefill equals recompute from every tier.
+
+docs/DESIGN.md section 10.
+"""
 
 from __future__ import annotations
 
