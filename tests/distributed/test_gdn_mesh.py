@@ -65,3 +65,27 @@ def test_mesh_equals_one_rank(root: Path, case: str, shape, cp_kv: str, prefix: 
                 want = want[kv_shard_positions(PROMPT + NUM_DECODE, PAGE, cp, cr)]
             torch.testing.assert_close(k, want, atol=ATOL, rtol=0)
     assert sum(len(r["ssm"]) for r in results) > 0
+
+
+def _scenarios(mesh, cp_kv: str, root: str, directory: str):
+    from mesh_hicache.topology import MeshTopology
+    from tests.engine_cases import resume_scenarios
+
+    topo = MeshTopology.from_mesh(mesh)
+    return resume_scenarios(topo, cp_kv=cp_kv, root=root, checkpoint=directory)
+
+
+def test_resume_on_cp_tp_mesh(root: Path, tmp_path: Path) -> None:
+    # The delta-rule state sharded over tp, combined over cp, cached and reloaded from
+    # L1 / L2 / L3 at aligned and unaligned boundaries equals recompute on the mesh.
+    from tests.engine_cases import ATOL as RESUME_ATOL
+
+    directory = str(build("qwen3_next", root))
+    out = run_on_mesh((1, 2, 2), _scenarios, "shard", str(tmp_path), directory, timeout=400)
+    for rank_checks in out:
+        assert rank_checks == out[0], "ranks disagree on hits or tokens"
+        for c in rank_checks:
+            assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
+            assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
+            assert c.tokens_equal, c.label
+    assert {c.tier for c in out[0]} == {"device", "host", "storage"}
