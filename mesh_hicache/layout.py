@@ -1,22 +1,11 @@
 """Placements -> local shard shape, global slice, writer election (docs/DESIGN.md section 4).
 
-Every host-pool tensor is a *region* with a fixed name (:class:`RegionName`): ``kv`` (K and
-V together), ``indexer``, ``mamba_conv`` and ``mamba_ssm`` (conv and SSM states may have
-different dtypes, so they are separate tensors). A region's global logical tensor has the
-host page (or Mamba slot) index as dim 0 and one *row* per page/slot after it. Row shapes
-(dim letters: L layers, T tokens in a page, H heads, D head dim, C conv channels, K conv
-kernel - 1, N state dim, E indexer key dim):
-
-=============  =====================  ===========================================
-region         row shape              placements over (pp, cp, tp)
-=============  =====================  ===========================================
-``kv``         ``[L, 2, T, H, D]``    Shard(L), Shard(T) | Replicate, Shard(H) | Replicate (MLA)
-``indexer``    ``[L, T, E]``          Shard(L), Shard(T) | Replicate, Replicate
-``mamba_conv`` ``[L, C, K]``          Shard(L), Replicate, Shard(C)
-``mamba_ssm``  ``[L, H, D, N]``       Shard(L), Replicate, Shard(H)
-=============  =====================  ===========================================
-
-(The tensor dims in the placements are counted with the page dim 0: ``Shard(1)`` is L.)
+Every host-pool tensor is a *region* (:class:`RegionName`): ``kv`` (K and V together),
+``indexer``, ``mamba_conv`` and ``mamba_ssm`` (separate tensors: their dtypes may
+differ). A region's global tensor has the host page (or slot) index as dim 0 and one
+*row* per page/slot after it; the row shapes and their placements over (pp, cp, tp) are
+the table of docs/DESIGN.md section 4 (placement dims count the page dim 0: ``Shard(1)``
+is L).
 
 Derived rules:
 
