@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from runtime.checkpoints.base import TensorRef, hf_value, unsupported
-from runtime.checkpoints.common import attention_ref, layer_kind, mamba_ref
+from runtime.checkpoints.common import attention_ref, layer_kind, mamba_ref, paired_ref
 from runtime.model.config import ModelConfig
 
 ARCH = "GraniteMoeHybridForCausalLM"
@@ -92,19 +92,10 @@ class GraniteMoeHybridAdapter:
         )
 
     def tensor(self, name: str, config: ModelConfig, hf: Mapping[str, Any]) -> TensorRef:
-        if name == "embed" or (name == "lm_head" and config.tie_embeddings):
-            return TensorRef("model.embed_tokens.weight")
-        if name == "lm_head":
-            return TensorRef("lm_head.weight")
-        if name == "final_norm":
-            return TensorRef("model.norm.weight")
-        _, b_text, param = name.split(".", 2)
-        b = int(b_text)
-        layer, is_ffn = divmod(b, 2)
-        prefix = f"model.layers.{layer}"
-        if param == "norm":
-            norm = "post_attention_layernorm" if is_ffn else "input_layernorm"
-            return TensorRef(f"{prefix}.{norm}.weight")
+        found = paired_ref(name, config, "model.norm.weight", "post_attention_layernorm")
+        if isinstance(found, TensorRef):
+            return found
+        b, is_ffn, param, prefix = found
         if not is_ffn:
             if config.blocks[b] == "A":
                 return attention_ref(param, f"{prefix}.self_attn")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from runtime.checkpoints.base import TensorRef, hf_value, unsupported
-from runtime.checkpoints.common import attention_ref, mamba_ref
+from runtime.checkpoints.common import attention_ref, block_param, mamba_ref, outer_ref
 from runtime.model.config import ModelConfig
 
 ARCH = "NemotronHForCausalLM"
@@ -96,14 +96,10 @@ class NemotronHAdapter:
         )
 
     def tensor(self, name: str, config: ModelConfig, hf: Mapping[str, Any]) -> TensorRef:
-        if name == "embed" or (name == "lm_head" and config.tie_embeddings):
-            return TensorRef("backbone.embeddings.weight")
-        if name == "lm_head":
-            return TensorRef("lm_head.weight")
-        if name == "final_norm":
-            return TensorRef("backbone.norm_f.weight")
-        _, b_text, param = name.split(".", 2)
-        b = int(b_text)
+        ref = outer_ref(name, config, "backbone.embeddings.weight", "backbone.norm_f.weight")
+        if ref is not None:
+            return ref
+        b, param = block_param(name)
         prefix = f"backbone.layers.{b}"
         if param == "norm":
             return TensorRef(f"{prefix}.norm.weight")

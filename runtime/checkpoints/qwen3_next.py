@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from runtime.checkpoints.base import TensorRef, hf_value, unsupported
-from runtime.checkpoints.common import layer_kind
+from runtime.checkpoints.common import layer_kind, paired_ref
 from runtime.model.config import ModelConfig
 
 NEXT = "Qwen3NextForCausalLM"
@@ -105,19 +105,10 @@ class Qwen3NextAdapter:
         )
 
     def tensor(self, name: str, config: ModelConfig, hf: Mapping[str, Any]) -> TensorRef:
-        if name == "embed" or (name == "lm_head" and config.tie_embeddings):
-            return TensorRef("model.embed_tokens.weight")
-        if name == "lm_head":
-            return TensorRef("lm_head.weight")
-        if name == "final_norm":
-            return TensorRef("model.norm.weight")
-        _, b_text, param = name.split(".", 2)
-        b = int(b_text)
-        layer, is_ffn = divmod(b, 2)
-        prefix = f"model.layers.{layer}"
-        if param == "norm":
-            norm = "post_attention_layernorm" if is_ffn else "input_layernorm"
-            return TensorRef(f"{prefix}.{norm}.weight")
+        found = paired_ref(name, config, "model.norm.weight", "post_attention_layernorm")
+        if isinstance(found, TensorRef):
+            return found
+        b, is_ffn, param, prefix = found
         if not is_ffn:
             if config.blocks[b] == "A":
                 return _attention(param, f"{prefix}.self_attn", config)
