@@ -5,12 +5,15 @@ groups, nope / full / partial RoPE, tied embeddings, multipliers != 1, MoE with 
 experts, Nemotron-H's block pattern with a leading MLP and consecutive mixers),
 re-draws every weight with a scale that makes the model non-trivial (transformers'
 0.02 init gives near-constant logits) and saves it with ``save_pretrained``.
-Helpers convert transformers' cache into this runtime's state layout for comparison.
+Helpers convert transformers' cache into this runtime's state layout for comparison, and
+the checks every checkpoint family shares (prefill logits and state, greedy tokens,
+resume from every tier) take a case's directory (``tests/qwen_cases.py`` uses them too).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,13 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
 pytest.importorskip("safetensors", reason="needs safetensors (test extra)")
 
+from runtime.checkpoints import load_checkpoint  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+from runtime.model import HybridModel  # noqa: E402
+
 VOCAB = 128
+ATOL = 1e-4
+PROMPT = 37
 CASES = ("granite_moe", "granite_dense", "bamba", "nemotron_h")
 
 
@@ -184,3 +193,76 @@ def hf_conv_to_runtime(conv: torch.Tensor, config) -> torch.Tensor:
         rows.append(conv[inner + group * n : inner + (group + 1) * n])
         rows.append(conv[inner + g * n + group * n : inner + g * n + (group + 1) * n])
     return torch.cat(rows)[:, -(c.conv_kernel - 1) :]
+
+
+def prompt_ids(n: int, seed: int = 3) -> torch.Tensor:
+    """``n`` random token ids below 128 (seeded)."""
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_prefill_equals_transformers(
+    directory: Path,
+    hf_index: Callable[[object, int], int],
+    conv_to_runtime: Callable[[torch.Tensor, object], torch.Tensor],
+    ssm_to_runtime: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Prefill logits of a ``PROMPT``-token prompt and the state after it (every KV, conv
+    and recurrent layer) equal transformers' logits and cache within ``ATOL``.
+    ``hf_index(config, layer)`` is transformers' layer index of cache layer ``layer``."""
+    ckpt = load_checkpoint(directory)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    ids = prompt_ids(PROMPT)
+    hf = hf_model(directory)
+    with torch.no_grad():
+        out = hf(ids[None], position_ids=torch.arange(PROMPT)[None], use_cache=True)
+    want = out.logits[0].float()
+    assert want.abs().max() > 1.0  # a non-trivial model
+    state = model.new_state()
+    got = model.prefill(ids, state, all_logits=True)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    c = ckpt.config
+    for layer in range(c.num_layers):
+        idx = hf_index(c, layer)
+        if layer in state.k:
+            keys = out.cache.layers[idx].keys[0].transpose(0, 1)
+            values = out.cache.layers[idx].values[0].transpose(0, 1)
+            torch.testing.assert_close(state.k[layer], keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(state.v[layer], values, atol=ATOL, rtol=0)
+        else:
+            conv = conv_to_runtime(out.cache.get_conv_state(idx, state_idx=0)[0], c)
+            ssm = ssm_to_runtime(out.cache.get_recurrent_state(idx, state_idx=0)[0])
+            torch.testing.assert_close(state.conv[layer], conv, atol=ATOL, rtol=0)
+            torch.testing.assert_close(state.ssm[layer], ssm, atol=ATOL, rtol=0)
+
+
+def assert_greedy_equals_generate(directory: Path) -> None:
+    """Eight greedy tokens from the engine equal transformers' ``generate``."""
+    ckpt = load_checkpoint(directory)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    prompt = prompt_ids(21, seed=5)
+    with torch.no_grad():
+        generated = hf_model(directory).generate(
+            prompt[None],
+            attention_mask=torch.ones(1, 21, dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    want = generated[0, 21:].tolist()
+    got = Engine(model, None, max_new_tokens=8).serve(prompt.tolist()).output_ids
+    assert got == want
+
+
+def assert_resume_from_every_tier(topology, directory: Path, tmp_path: Path) -> None:
+    """Resuming from L1, L2 and L3 (``tests.engine_cases.resume_scenarios``) hits the
+    tier and equals recompute (logits within its ATOL, same tokens)."""
+    from tests.engine_cases import ATOL as RESUME_ATOL
+    from tests.engine_cases import resume_scenarios
+
+    checks = resume_scenarios(topology, root=str(tmp_path), checkpoint=str(directory))
+    for c in checks:
+        assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
+        assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
+        assert c.tokens_equal, c.label
+    assert {c.tier for c in checks} == {"device", "host", "storage"}

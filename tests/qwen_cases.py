@@ -18,6 +18,8 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (test extra)")
 pytest.importorskip("safetensors", reason="needs safetensors (test extra)")
 
+from tests.checkpoint_cases import hf_model  # noqa: E402,F401  (re-exported)
+
 VOCAB = 128
 CASES = ("qwen3_next", "qwen35", "qwen35_moe")
 _MODELS = {
@@ -98,13 +100,6 @@ def build(case: str, root: Path, seed: int = 0) -> Path:
         _redraw(model, seed)
         model.save_pretrained(directory)
     return directory
-
-
-def hf_model(directory: Path, dtype: torch.dtype = torch.float32):
-    """The checkpoint loaded by transformers (eager attention)."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dtype, attn_implementation="eager"
-    ).eval()
 
 
 def hf_conv_to_runtime(conv: torch.Tensor, config) -> torch.Tensor:

@@ -13,12 +13,15 @@ import pytest
 import torch
 
 from runtime.checkpoints import load_checkpoint
-from runtime.engine import Engine
 from runtime.model import HybridModel
+from tests.checkpoint_cases import (
+    PROMPT,
+    assert_greedy_equals_generate,
+    assert_prefill_equals_transformers,
+    assert_resume_from_every_tier,
+)
+from tests.checkpoint_cases import prompt_ids as _ids
 from tests.qwen_cases import CASES, build, hf_conv_to_runtime, hf_model, hf_recurrent_to_runtime
-
-ATOL = 1e-4
-PROMPT = 37
 
 
 @pytest.fixture(scope="module")
@@ -26,56 +29,20 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("qwen_ckpt")
 
 
-def _ids(n: int, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_logits_and_state_equal_transformers(root: Path, case: str) -> None:
-    directory = build(case, root)
-    ckpt = load_checkpoint(directory)
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    ids = _ids(PROMPT)
-    hf = hf_model(directory)
-    with torch.no_grad():
-        out = hf(ids[None], position_ids=torch.arange(PROMPT)[None], use_cache=True)
-    want = out.logits[0].float()
-    assert want.abs().max() > 1.0  # a non-trivial model
-    state = model.new_state()
-    got = model.prefill(ids, state, all_logits=True)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    c = ckpt.config
-    for layer in range(c.num_layers):
-        if layer in state.k:
-            keys = out.cache.layers[layer].keys[0].transpose(0, 1)
-            values = out.cache.layers[layer].values[0].transpose(0, 1)
-            torch.testing.assert_close(state.k[layer], keys, atol=ATOL, rtol=0)
-            torch.testing.assert_close(state.v[layer], values, atol=ATOL, rtol=0)
-        else:
-            conv = hf_conv_to_runtime(out.cache.get_conv_state(layer, state_idx=0)[0], c)
-            rec = hf_recurrent_to_runtime(out.cache.get_recurrent_state(layer, state_idx=0)[0])
-            torch.testing.assert_close(state.conv[layer], conv, atol=ATOL, rtol=0)
-            torch.testing.assert_close(state.ssm[layer], rec, atol=ATOL, rtol=0)
+    # One cache layer per decoder layer: transformers' index is the layer's own.
+    assert_prefill_equals_transformers(
+        build(case, root),
+        lambda config, layer: layer,
+        hf_conv_to_runtime,
+        hf_recurrent_to_runtime,
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_tokens_equal_generate(root: Path, case: str) -> None:
-    directory = build(case, root)
-    ckpt = load_checkpoint(directory)
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    prompt = _ids(21, seed=5)
-    with torch.no_grad():
-        generated = hf_model(directory).generate(
-            prompt[None],
-            attention_mask=torch.ones(1, 21, dtype=torch.long),
-            max_new_tokens=8,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    want = generated[0, 21:].tolist()
-    got = Engine(model, None, max_new_tokens=8).serve(prompt.tolist()).output_ids
-    assert got == want
+    assert_greedy_equals_generate(build(case, root))
 
 
 @pytest.mark.parametrize("case", ["qwen3_next", "qwen35"])
@@ -84,16 +51,7 @@ def test_resume_from_every_tier_equals_recompute(
 ):
     # The recurrent state goes through the cache's one recurrent family (L1, L2, L3;
     # aligned and unaligned prefixes; evict and reload), like a Mamba-2 state.
-    from tests.engine_cases import ATOL as RESUME_ATOL
-    from tests.engine_cases import resume_scenarios
-
-    directory = build(case, root)
-    checks = resume_scenarios(one_rank_topology, root=str(tmp_path), checkpoint=str(directory))
-    for c in checks:
-        assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
-        assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
-        assert c.tokens_equal, c.label
-    assert {c.tier for c in checks} == {"device", "host", "storage"}
+    assert_resume_from_every_tier(one_rank_topology, build(case, root), tmp_path)
 
 
 def test_bfloat16_close_to_transformers(root: Path) -> None:
