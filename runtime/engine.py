@@ -3,6 +3,11 @@
 One request at a time (the cache API does not assume it). Every rank of the mesh runs
 the same requests in the same order: the model and the cache are collective.
 
+Per-token hook: ``serve(..., on_token=f)`` calls ``f(token_id)`` after each generated
+token; a true result ends the request after that token (e.g. at end of sequence), and an
+exception leaves it (the request is released). On a mesh ``f`` must decide the same on
+every rank (the caller agrees on it, e.g. by a broadcast from rank 0).
+
 Paging: the model keeps a request's state contiguous (``SeqState``); the engine moves
 it between the cache's device pools and that state. A page of layer L in the device
 pool is ``[page_size_local, kv_heads_local, head_dim]``; with ``cp_kv="shard"`` cp rank
@@ -27,6 +32,9 @@ from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
 from mesh_hicache.layout import kv_page_tokens, kv_shard_positions
 from runtime.model import HybridModel, SeqState
 from runtime.workloads import Turn
+
+TokenHook = Callable[[int], bool]
+"""Called with each generated token id; True ends the request after that token."""
 
 
 @dataclass(slots=True)
@@ -138,10 +146,14 @@ class Engine:
         *,
         max_new_tokens: int | None = None,
         tenant: str | None = None,
+        on_token: TokenHook | None = None,
     ) -> RequestResult:
-        """Greedy-generate ``max_new_tokens`` (default: the engine's) after ``prompt``
-        (at least 1 token). No end-of-sequence stop: exactly that many tokens. ``tenant``:
-        the request's cache tenant (None: the cache's; see ``HiCache.match``)."""
+        """Greedy-generate up to ``max_new_tokens`` (default: the engine's) after
+        ``prompt`` (at least 1 token). Without ``on_token`` exactly that many tokens; with
+        it, ``on_token(id)`` is called after each generated token and a true result stops
+        there (that token is the last of ``output_ids``; no decode step is spent after
+        it). ``tenant``: the request's cache tenant (None: the cache's; see
+        ``HiCache.match``)."""
         if not prompt:
             raise ValueError("prompt must not be empty")
         num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -153,13 +165,13 @@ class Engine:
             state = self.model.new_state()
             logits = self.model.prefill(tokens, state)
             ttft = time.perf_counter() - t0
-            return self._decode(prompt, state, logits, ttft, None, NO_HIT, num_new)
+            return self._decode(prompt, state, logits, ttft, None, NO_HIT, num_new, on_token)
         cache = self.cache
         # Match one token short: at least one prompt token is always computed, and its
         # logits start the decode.
         req = cache.match(prompt[:-1], namespace, tenant=tenant)
         try:
-            return self._serve_cached(prompt, tokens, req, t0, num_new)
+            return self._serve_cached(prompt, tokens, req, t0, num_new, on_token)
         finally:
             cache.release(req)
 
@@ -172,6 +184,7 @@ class Engine:
         req: CachedRequest,
         t0: float,
         num_new: int,
+        on_token: TokenHook | None,
     ) -> RequestResult:
         cache, model, ps = self.cache, self.model, self.model.page_size
         assert cache is not None
@@ -210,7 +223,7 @@ class Engine:
                     checkpoints.append(checkpoint)
         ttft = time.perf_counter() - t0
         if pages is None:
-            return self._decode(prompt, state, logits, ttft, None, cached, num_new)
+            return self._decode(prompt, state, logits, ttft, None, cached, num_new, on_token)
         self._write_kv(state, pages, prefix, len(prompt))
         for cp in checkpoints:
             cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
@@ -218,7 +231,7 @@ class Engine:
             n = len(prompt) // ps * ps
             cache.insert(req, prompt[:n], pages[: n // ps])
         paged = PagedRequest(req, pages)
-        return self._decode(prompt, state, logits, ttft, paged, cached, num_new)
+        return self._decode(prompt, state, logits, ttft, paged, cached, num_new, on_token)
 
     def _state_from_cache(self, req: CachedRequest) -> SeqState:
         """The model state after ``req.prefix_len`` cached tokens, layer by layer."""
@@ -290,6 +303,7 @@ class Engine:
         paged: PagedRequest | None,
         cached: TierTokens,
         num_new: int,
+        on_token: TokenHook | None,
     ) -> RequestResult:
         t0 = time.perf_counter()
         ps = self.model.page_size
@@ -299,7 +313,8 @@ class Engine:
         for i in range(num_new):
             token = int(torch.argmax(logits))
             output.append(token)
-            if i == num_new - 1:
+            stop = on_token is not None and on_token(token)
+            if stop or i == num_new - 1:
                 break
             logits = self.model.decode(token, state)
             if paged is not None and self.cache is not None and state.num_tokens % ps == 0:

@@ -14,7 +14,7 @@ Endpoints, on ``--host`` (default 127.0.0.1) and ``--port`` (0: a free port, pri
 Decoding is greedy (``temperature``, ``top_p`` and the like are accepted and ignored;
 ``n`` must be 1); a request ends after ``max_tokens`` tokens (default
 ``--max-new-tokens``) or at the checkpoint's end-of-sequence token
-(``finish_reason: "stop"``; the engine still computes up to ``max_tokens``). ``usage``
+(``finish_reason: "stop"``; the engine stops decoding there, on every rank). ``usage``
 reports ``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served.
 Text in and out needs the checkpoint's ``tokenizer.json``; chat uses its chat template
 (see ``runtime/server_text.py``, also for the presets, which take token ids).
@@ -224,7 +224,7 @@ class Server:
             return error_response(400, str(err))
         if not self.healthy:
             return error_response(503, "the engine has stopped", "server_error")
-        job = Job(prompt, params.max_tokens, asyncio.get_running_loop())
+        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), self.codec.eos_token_id)
         self.queue.put(job)
         reply = Reply(self, chat, len(prompt))
         if params.stream:

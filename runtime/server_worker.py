@@ -11,9 +11,12 @@ On a mesh, every rank must run the identical sequence of requests (the model and
 cache are collective). Rank 0 broadcasts each job's tokens over a gloo group of the
 whole mesh before serving it; the other ranks run :func:`follow`, which serves what it
 receives. While idle rank 0 broadcasts a heartbeat every ``heartbeat_s`` so that the
-waiting ranks' collective never hits ``--collective-timeout-s``. An abort (the client
-went away) is agreed the same way: before every decode step rank 0 broadcasts whether
-to stop, so all ranks leave the request at the same token and release it together.
+waiting ranks' collective never hits ``--collective-timeout-s``. How a request ends is
+agreed the same way, through the engine's per-token hook (``Engine.serve(on_token=)``):
+after every generated token rank 0 broadcasts one decision -- go on, end (the token is
+the job's end-of-sequence id) or abort (the client went away) -- so all ranks stop at
+the same token and release the request together, and no decode step is spent after
+the end of sequence.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from runtime.engine import Engine, RequestResult
+from runtime.engine import Engine, RequestResult, TokenHook
 from runtime.startup_checks import pages_needed, too_long_for_l1
 
 log = logging.getLogger("runtime.server")
 
 _SERVE, _IDLE, _STOP = "serve", "idle", "stop"
+# The per-token decision rank 0 broadcasts.
+_GO, _END, _ABORT = 0, 1, 2
 
 
 class Aborted(Exception):
@@ -48,13 +53,15 @@ class Job:
     """One request on its way through the engine.
 
     ``events`` receives, on ``loop``, ``("token", id)`` per generated token, then
-    ``("done", JobOutcome)`` or ``("error", message)``. ``cancel()`` may be called from
-    any thread; a cancelled job still queued is dropped, a running one is aborted at the
-    next decode step."""
+    ``("done", JobOutcome)`` or ``("error", message)``. Generation ends after
+    ``max_new_tokens`` or at ``eos_token_id`` (included in the output; None: never).
+    ``cancel()`` may be called from any thread; a cancelled job still queued is dropped,
+    a running one is aborted after the next token."""
 
     prompt: list[int]
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
+    eos_token_id: int | None = None
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_s: float = field(default_factory=time.perf_counter)
@@ -136,34 +143,36 @@ class _Control:
         assert box[0] is not None
         return box[0]
 
-    def agree_stop(self, stop: bool) -> bool:
+    def agree(self, decision: int) -> int:
+        """Rank 0's per-token decision, the same on every rank (``decision`` of the
+        other ranks is ignored)."""
         if self.group is None:
-            return stop
-        flag = torch.tensor([1 if stop else 0], dtype=torch.int32)
+            return decision
+        flag = torch.tensor([decision], dtype=torch.int32)
         dist.broadcast(flag, group=self.group, group_src=0)
-        return bool(flag.item())
+        return int(flag.item())
 
 
-class _DecodeHook:
-    """Sees every token the engine feeds back into the model and may abort the request.
+def token_hook(
+    control: _Control,
+    emit: Callable[[int], None] | None = None,
+    eos_token_id: int | None = None,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> TokenHook:
+    """The engine's per-token hook for one request: streams the token (``emit``), then
+    agrees with the other ranks whether to go on, end (the token is ``eos_token_id``)
+    or abort (``cancelled()``; raises :class:`Aborted`). Only rank 0's view counts."""
 
-    Installed on the model instance (``model.decode``): the engine passes each generated
-    token but the last to ``decode``, so that call is where tokens are streamed and where
-    an agreed abort leaves the decode loop."""
-
-    def __init__(self, model: Any, control: _Control) -> None:
-        self._decode = model.decode
-        self._control = control
-        self.on_token: Callable[[int], None] | None = None
-        self.should_stop: Callable[[], bool] = lambda: False
-        setattr(model, "decode", self)  # noqa: B010 - an instance attribute shadows the method
-
-    def __call__(self, token: int, state: Any) -> Any:
-        if self.on_token is not None:
-            self.on_token(token)
-        if self._control.agree_stop(self.should_stop()):
+    def on_token(token: int) -> bool:
+        if emit is not None:
+            emit(token)
+        decision = _ABORT if cancelled() else _END if token == eos_token_id else _GO
+        decision = control.agree(decision)
+        if decision == _ABORT:
             raise Aborted
-        return self._decode(token, state)
+        return decision == _END
+
+    return on_token
 
 
 class ServerCounters:
@@ -204,7 +213,6 @@ class EngineWorker(threading.Thread):
         self.heartbeat_s = heartbeat_s
         self.counters = counters
         self.control = _Control(group)
-        self.hook = _DecodeHook(engine.model, self.control)
         self.failure: BaseException | None = None
 
     def run(self) -> None:
@@ -225,39 +233,35 @@ class EngineWorker(threading.Thread):
             log.exception("runtime.server: the engine thread failed")
 
     def _serve(self, job: Job) -> None:
-        sent: list[int] = []
-
-        def on_token(token: int) -> None:
-            sent.append(token)
-            job.emit("token", token)
-
-        self.hook.on_token = on_token
-        self.hook.should_stop = job.cancelled.is_set
+        hook = token_hook(
+            self.control, lambda t: job.emit("token", t), job.eos_token_id, job.cancelled.is_set
+        )
         with self.counters.lock:
             self.counters.running += 1
         try:
-            outcome = serve_one(self.engine, job.prompt, job.max_new_tokens, self.counters)
+            outcome = serve_one(self.engine, job.prompt, job.max_new_tokens, self.counters, hook)
         except ValueError as err:
             with self.counters.lock:
                 self.counters.errors += 1
             job.emit("error", str(err))
             return
         finally:
-            self.hook.on_token = None
-            self.hook.should_stop = lambda: False
             with self.counters.lock:
                 self.counters.running -= 1
-        for token in outcome.output_ids[len(sent) :]:
-            job.emit("token", token)
         job.emit("done", outcome)
 
 
 def serve_one(
-    engine: Engine, prompt: list[int], max_new_tokens: int, counters: ServerCounters
+    engine: Engine,
+    prompt: list[int],
+    max_new_tokens: int,
+    counters: ServerCounters,
+    on_token: TokenHook,
 ) -> JobOutcome:
-    """Run one request through ``engine`` (collective); an abort releases it, and the
-    cache's integrity is checked after every abort (a failure is counted and logged).
-    A request L1 cannot hold is served uncached, with one warning per server."""
+    """Run one request through ``engine`` (collective) with the per-token hook
+    ``on_token``; an abort releases it, and the cache's integrity is checked after every
+    abort (a failure is counted and logged). A request L1 cannot hold is served
+    uncached, with one warning per server."""
     cache = engine.cache
     if cache is not None and too_long_for_l1(
         len(prompt) + max_new_tokens, cache.page_size, cache.config.device_pages
@@ -276,7 +280,7 @@ def serve_one(
                 pages_needed(len(prompt) + max_new_tokens, cache.page_size),
             )
     try:
-        result = engine.serve(prompt, max_new_tokens=max_new_tokens)
+        result = engine.serve(prompt, max_new_tokens=max_new_tokens, on_token=on_token)
     except Aborted:
         outcome = JobOutcome([], 0, True, None)
         with counters.lock:
@@ -301,7 +305,7 @@ def serve_one(
 def follow(engine: Engine, group: dist.ProcessGroup) -> None:
     """The loop of every rank but 0: serve what rank 0 broadcasts until it says stop."""
     control = _Control(group)
-    _DecodeHook(engine.model, control)  # takes part in the per-step abort agreement
+    hook = token_hook(control)  # takes part in rank 0's per-token decision
     counters = ServerCounters()
     while True:
         message = control.send()
@@ -310,6 +314,6 @@ def follow(engine: Engine, group: dist.ProcessGroup) -> None:
         if message[0] == _SERVE:
             _, prompt, max_new = message
             try:
-                serve_one(engine, prompt, max_new, counters)
+                serve_one(engine, prompt, max_new, counters, hook)
             except ValueError:
                 pass  # rank 0 raised the same error (replicated checks) and reported it

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import re
+import shutil
 import threading
 import time
 import urllib.request
@@ -323,5 +324,61 @@ def test_a_request_l1_cannot_hold_is_served_uncached_with_one_warning(
         warned = [r.getMessage() for r in caplog.records if "does not fit L1" in r.getMessage()]
         assert len(warned) == 1 and "at least 6" in warned[0], warned
         assert small.metric("mesh_hicache_server_uncached_total") == 2
+    finally:
+        small.close()
+
+
+def test_generation_stops_at_the_end_of_sequence_token(
+    checkpoint, one_rank_topology, reference, tmp_path
+) -> None:
+    """A checkpoint whose end-of-sequence id is a token greedy decoding reaches early:
+    the answer stops there and the engine spent no decode step after it."""
+    prompt = "hello world the cache is warm"
+    ids = _encode(checkpoint, prompt)
+    free = reference(ids, 12)
+    # The first token that does not occur before it, at index 1 or later: made the eos.
+    stop_at = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    # Without the early stop the engine would run 11 decode steps for max_tokens=12.
+    assert stop_at < 11, free
+    copy = tmp_path / "eos_ckpt"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["eos_token_id"] = free[stop_at]
+    (copy / "config.json").write_text(json.dumps(config))
+    argv = ["--model", str(copy), "--page-size", "4", "--device-pages", "64"]
+    argv += ["--cache", "host", "--max-new-tokens", "12"]
+    small = LiveServer(argv, one_rank_topology)
+    try:
+        model = small.server.engine.model
+        decode = model.decode
+        calls = []
+
+        def counting(token, state):
+            calls.append(token)
+            return decode(token, state)
+
+        model.decode = counting
+        client = small.client()
+        out = client.completions.create(model=small.server.name, prompt=prompt, max_tokens=12)
+        choice = out.choices[0]
+        assert choice.token_ids == free[:stop_at]
+        assert choice.finish_reason == "stop" and out.usage.completion_tokens == stop_at
+        assert len(calls) <= len(choice.token_ids)
+        # Streaming stops at the same token.
+        calls.clear()
+        chunks = list(
+            client.completions.create(
+                model=small.server.name, prompt=prompt, max_tokens=12, stream=True
+            )
+        )
+        streamed = [
+            t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])
+        ]
+        assert streamed == free[:stop_at]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert len(calls) <= stop_at
+        small.wait_idle()
+        assert small.server.cache is not None
+        small.server.cache.check_integrity()
     finally:
         small.close()
