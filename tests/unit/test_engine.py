@@ -5,6 +5,8 @@ docs/DESIGN.md section 10.
 
 from __future__ import annotations
 
+import pytest
+
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.testing import internals
@@ -35,5 +37,44 @@ def test_prompt_longer_than_l1_is_served_uncached(one_rank_topology):
     want = Engine(model, None, max_new_tokens=4, keep_logits=True).serve(prompt)
     assert got.output_ids == want.output_ids and got.cached == 0
     assert internals(cache).tree.num_nodes == 0  # nothing was inserted
+    cache.check_integrity()
+    cache.close()
+
+
+def test_on_token_sees_every_token_and_stops_early(one_rank_topology):
+    config = preset("tiny")
+    model = HybridModel(config, one_rank_topology, page_size=PAGE)
+    prompt = list(range(3, 40))
+    full = Engine(model, None).serve(prompt, max_new_tokens=10).output_ids
+    decode = model.decode
+    calls: list[int] = []
+
+    def counting(token, state):
+        calls.append(token)
+        return decode(token, state)
+
+    model.decode = counting  # type: ignore[method-assign]
+    cache = HiCache(one_rank_topology, config.state_spec(PAGE), HiCacheConfig(device_pages=32))
+    for engine in (Engine(model, None), Engine(model, cache)):
+        for stop_after in (4, 10, 1):
+            seen: list[int] = []
+
+            def hook(token: int, seen=seen, stop_after=stop_after) -> bool:
+                seen.append(token)
+                return len(seen) == stop_after
+
+            calls.clear()
+            got = engine.serve(prompt, max_new_tokens=10, on_token=hook)
+            assert got.output_ids == seen == full[:stop_after]
+            assert len(calls) == stop_after - 1  # no decode step after the last token
+    assert internals(cache).num_open == 0
+
+    # A hook that raises leaves the request, which is released.
+    def boom(token: int) -> bool:
+        raise KeyError(token)
+
+    with pytest.raises(KeyError):
+        Engine(model, cache).serve(prompt + [1], max_new_tokens=10, on_token=boom)
+    assert internals(cache).num_open == 0
     cache.check_integrity()
     cache.close()
