@@ -75,20 +75,24 @@ def _conv_rows(config, tp: int, rank: int) -> list[int]:
     return rows
 
 
-def _check(root: Path, case: str, shape, cp_kv: str, prefix: int) -> None:
-    directory = build(case, root)
+def _check(
+    directory: Path, shape, cp_kv: str, prefix: int, timeout: float = 180, slices: bool = True
+) -> list[dict]:
+    """Every rank of ``shape`` equals one rank on checkpoint ``directory`` (tokens, logits,
+    its SSM / conv / KV shards); with ``slices``, a tp or pp rank reads < 0.8 of the bytes.
+    Returns the ranks' results."""
     ckpt = load_checkpoint(directory)
     c = ckpt.config
     ref = _run(HybridModel(c, page_size=PAGE, weights=ckpt.weights), prefix)
     total_bytes = ckpt.weights.bytes_read
-    results = run_on_mesh(shape, _body, str(directory), cp_kv, prefix, timeout=180)
+    results = run_on_mesh(shape, _body, str(directory), cp_kv, prefix, timeout=timeout)
     pp, cp, tp = shape
     for res in results:
         assert res["ids"] == ref["ids"]
         torch.testing.assert_close(res["logits"], ref["logits"], atol=ATOL, rtol=0)
         torch.testing.assert_close(res["all"], ref["all"], atol=ATOL, rtol=0)
         _, cr, t = res["coords"]
-        if tp * pp > 1:  # each rank reads its own slices, not the model
+        if slices and tp * pp > 1:  # each rank reads its own slices, not the model
             assert res["bytes_read"] < 0.8 * total_bytes, (res["bytes_read"], total_bytes)
         for lid, ssm in res["ssm"].items():
             h0, h1 = tp_split(c.ssm_heads, tp, t)
@@ -101,6 +105,7 @@ def _check(root: Path, case: str, shape, cp_kv: str, prefix: int) -> None:
             if cp_kv == "shard":
                 want = want[kv_shard_positions(PROMPT + NUM_DECODE, PAGE, cp, cr)]
             torch.testing.assert_close(k, want, atol=ATOL, rtol=0)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +126,7 @@ def root(tmp_path_factory) -> Path:
     ],
 )
 def test_checkpoint_on_mesh_equals_one_rank(root: Path, case: str, shape, cp_kv: str, prefix):
-    _check(root, case, shape, cp_kv, prefix)
+    _check(build(case, root), shape, cp_kv, prefix)
 
 
 def _resume(mesh, directory: str, cp_kv: str, storage: str):
@@ -131,12 +136,12 @@ def _resume(mesh, directory: str, cp_kv: str, storage: str):
     return resume_scenarios(topo, cp_kv=cp_kv, root=storage, checkpoint=directory)
 
 
-def test_checkpoint_resume_on_pipeline_mesh(root: Path, tmp_path: Path) -> None:
-    # Nemotron-H's stateless blocks ride with their layers across the 2 pp stages.
+def _check_resume(shape, directory: Path, cp_kv: str, storage: Path, timeout: float) -> None:
+    """On every rank of ``shape``, resuming from L1 / L2 / L3 hits and equals recompute,
+    and all ranks agree on hits and tokens."""
     from tests.engine_cases import ATOL as RESUME_ATOL
 
-    directory = build("nemotron_h", root)
-    out = run_on_mesh((2, 1, 2), _resume, str(directory), "replicate", str(tmp_path), timeout=300)
+    out = run_on_mesh(shape, _resume, str(directory), cp_kv, str(storage), timeout=timeout)
     for rank_checks in out:
         assert rank_checks == out[0], "ranks disagree on hits or tokens"
         for c in rank_checks:
@@ -144,3 +149,8 @@ def test_checkpoint_resume_on_pipeline_mesh(root: Path, tmp_path: Path) -> None:
             assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
             assert c.tokens_equal, c.label
     assert {c.tier for c in out[0]} == {"device", "host", "storage"}
+
+
+def test_checkpoint_resume_on_pipeline_mesh(root: Path, tmp_path: Path) -> None:
+    # Nemotron-H's stateless blocks ride with their layers across the 2 pp stages.
+    _check_resume((2, 1, 2), build("nemotron_h", root), "replicate", tmp_path, timeout=300)
