@@ -5,10 +5,7 @@ outputs identical to ``--cache off`` (the forged run without a secret shows the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,42 +13,15 @@ import torch
 import runtime.serve as serve
 from mesh_hicache.storage import FileStorage
 from mesh_hicache.storage.keys import HEADER_SIZE, KEY_PATTERN, PLAIN_CODEC, ObjectCodec
+from tests.serve_cases import SMALL, run_serve
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = [
-    "--sessions",
-    "3",
-    "--turns",
-    "3",
-    "--first-prompt-len",
-    "96",
-    "--append-len",
-    "24",
-    "--device-pages",
-    "16",
-    "--prefetch-threshold",
-    "32",
-    "--max-new-tokens",
-    "4",
-    "--quiet",
-]
 SECRET = b"reliability-test-secret-0123456789"
 
 
 def _serve(out_dir, name: str, *extra: str, nproc: int = 1) -> tuple[dict, str]:
-    out = out_dir / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.pop("MESH_HICACHE_STORAGE_SECRET_FILE", None)
-    cmd = [sys.executable, "-m", "runtime.serve"]
-    if nproc > 1:
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        if not os.path.exists(torchrun):
-            pytest.skip("torchrun is not installed beside this interpreter")
-        cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "runtime.serve"]
-    cmd += [*SMALL, "--json", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stderr
+    drop = ("MESH_HICACHE_STORAGE_SECRET_FILE",)
+    run, proc = run_serve(out_dir, name, *extra, nproc=nproc, drop_env=drop)
+    return run, proc.stderr
 
 
 def _outputs(run: dict) -> list[list[int]]:

@@ -2,47 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = [
-    "--sessions",
-    "3",
-    "--turns",
-    "3",
-    "--first-prompt-len",
-    "96",
-    "--append-len",
-    "24",
-    "--device-pages",
-    "16",
-    "--prefetch-threshold",
-    "32",
-    "--max-new-tokens",
-    "4",
-    "--quiet",
-]
+from tests.serve_cases import ROOT, run_serve
 
 
 def _serve(tmp_path, name, *extra, nproc=1):
-    out = tmp_path / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "runtime.serve"]
-    else:
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        if not os.path.exists(torchrun):
-            pytest.skip("torchrun is not installed beside this interpreter")
-        cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "-m", "runtime.serve"]
-    cmd += [*SMALL, "--storage-root", str(tmp_path / "l3"), "--json", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
+    l3 = ("--storage-root", str(tmp_path / "l3"))
+    run, proc = run_serve(tmp_path, name, *l3, *extra, nproc=nproc)
+    return run, proc.stdout
 
 
 def test_cache_off_and_full_agree_and_later_turns_hit(tmp_path):
