@@ -37,6 +37,11 @@ TokenHook = Callable[[int], bool]
 """Called with each generated token id; True ends the request after that token."""
 
 
+def stop_at(token_id: int) -> TokenHook:
+    """The hook that ends a request after ``token_id`` (e.g. end of sequence)."""
+    return lambda token: token == token_id
+
+
 @dataclass(slots=True)
 class RequestResult:
     """What one request produced and what the cache saved it."""
@@ -121,12 +126,18 @@ class Engine:
     def run(
         self, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
     ) -> list[RequestResult]:
-        """Serve a whole trace; each turn's prompt is its session's history + user tokens."""
+        """Serve a whole trace; each turn's prompt is its session's history + user tokens.
+        A turn with a ``stop_token`` ends after it (every rank sees the same greedy
+        tokens, so every rank stops at the same one)."""
         results = []
         for turn in trace:
             prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
             result = self.serve(
-                prompt, turn.namespace, max_new_tokens=turn.max_new_tokens, tenant=turn.tenant
+                prompt,
+                turn.namespace,
+                max_new_tokens=turn.max_new_tokens,
+                tenant=turn.tenant,
+                on_token=None if turn.stop_token is None else stop_at(turn.stop_token),
             )
             result.request_id, result.session, result.turn = (
                 turn.request_id,

@@ -10,7 +10,10 @@ and optionally ``"session"`` (any JSON scalar: later lines of the same session a
 next turns, the prompt being the session's history, i.e. previous prompt + answer, then
 this line's tokens), ``"max_new_tokens"`` (default: ``--max-new-tokens``) and
 ``"tenant"`` (a string: the request's cache tenant, default ``--tenant``; tenants share
-no cache entry in any tier). Blank lines are skipped. Requests are served in file order.
+no cache entry in any tier) and ``"stop_at_eos"`` (a boolean, default false: end the
+answer at the checkpoint's ``eos_token_id``, included in the output, instead of always
+generating ``max_new_tokens``). Blank lines are skipped. Requests are served in file
+order.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ def load_tokenizer(path: Path | None) -> Any:
     return Tokenizer.from_file(str(path))
 
 
-def load_prompts(path: str | Path, vocab_size: int, tokenizer: Any = None) -> list[Turn]:
-    """The trace of ``path``; ``ValueError`` naming the line of any bad request."""
+def load_prompts(
+    path: str | Path, vocab_size: int, tokenizer: Any = None, eos_token_id: int | None = None
+) -> list[Turn]:
+    """The trace of ``path``; ``ValueError`` naming the line of any bad request.
+    ``eos_token_id``: the checkpoint's end-of-sequence id (``stop_at_eos`` needs one)."""
     turns: list[Turn] = []
     sessions: dict[str, int] = {}
     next_turn: dict[int, int] = {}
@@ -54,6 +60,7 @@ def load_prompts(path: str | Path, vocab_size: int, tokenizer: Any = None) -> li
         if not isinstance(item, dict):
             raise ValueError(f"{where}: expected an object, got {type(item).__name__}")
         unknown = set(item) - {"input_ids", "text", "session", "max_new_tokens", "tenant"}
+        unknown -= {"stop_at_eos"}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
         ids = _token_ids(item, where, vocab_size, tokenizer)
@@ -71,10 +78,24 @@ def load_prompts(path: str | Path, vocab_size: int, tokenizer: Any = None) -> li
             raise ValueError(
                 f"{where}: tenant must be a string without {TENANT_SEPARATOR!r}, got {tenant!r}"
             )
+        stop_at_eos = item.get("stop_at_eos", False)
+        if not isinstance(stop_at_eos, bool):
+            raise ValueError(f"{where}: stop_at_eos must be a boolean, got {stop_at_eos!r}")
+        if stop_at_eos and eos_token_id is None:
+            raise ValueError(f"{where}: stop_at_eos, but the model names no eos_token_id")
         turn = next_turn.get(session, 0)
         next_turn[session] = turn + 1
+        stop = eos_token_id if stop_at_eos else None
         turns.append(
-            Turn(len(turns), session, turn, tuple(ids), max_new_tokens=max_new, tenant=tenant)
+            Turn(
+                len(turns),
+                session,
+                turn,
+                tuple(ids),
+                max_new_tokens=max_new,
+                tenant=tenant,
+                stop_token=stop,
+            )
         )
     if not turns:
         raise ValueError(f"--prompts {str(path)!r} holds no requests")

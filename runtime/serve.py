@@ -303,7 +303,8 @@ def check_args(args: argparse.Namespace) -> None:
     config = choice.config
     if args.prompts:
         tokenizer_path = choice.checkpoint.tokenizer_path if choice.checkpoint else None
-        load_prompts(args.prompts, config.vocab_size, load_tokenizer(tokenizer_path))
+        eos = choice.checkpoint.eos_token_id if choice.checkpoint else None
+        load_prompts(args.prompts, config.vocab_size, load_tokenizer(tokenizer_path), eos)
     config.check_mesh(
         tp=args.tp, cp=args.cp, pp=args.pp, page_size=args.page_size, cp_kv=args.cp_kv
     )
@@ -442,7 +443,8 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     checkpoint = choose_model(args.model, config.dtype).checkpoint
     tokenizer = load_tokenizer(checkpoint.tokenizer_path if checkpoint else None)
     if args.prompts:
-        trace = load_prompts(args.prompts, config.vocab_size, tokenizer)
+        eos = checkpoint.eos_token_id if checkpoint else None
+        trace = load_prompts(args.prompts, config.vocab_size, tokenizer, eos)
     else:
         trace = workload(args, config.vocab_size)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)

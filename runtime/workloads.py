@@ -28,6 +28,8 @@ class Turn:
     """Tokens to generate for this turn (None: the engine's default)."""
     tenant: str | None = None
     """The request's cache tenant (None: the cache's ``HiCacheConfig.tenant``)."""
+    stop_token: int | None = None
+    """Generation ends after this token id (e.g. end of sequence; None: never)."""
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:

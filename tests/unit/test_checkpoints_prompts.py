@@ -59,6 +59,8 @@ def test_sessions_turns_and_max_new_tokens(tmp_path: Path) -> None:
         ({"input_ids": ["a"]}, "list of ints"),
         ({"input_ids": [1], "max_new_tokens": 0}, "max_new_tokens"),
         ({"text": "w1"}, "tokenizer.json"),
+        ({"input_ids": [1], "stop_at_eos": 1}, "stop_at_eos must be a boolean"),
+        ({"input_ids": [1], "stop_at_eos": True}, "names no eos_token_id"),
     ],
 )
 def test_bad_lines_name_the_line(tmp_path: Path, line: object, message: str) -> None:
@@ -66,6 +68,13 @@ def test_bad_lines_name_the_line(tmp_path: Path, line: object, message: str) -> 
     with pytest.raises(ValueError, match=message) as err:
         load_prompts(path, 16, None)
     assert f"{path}:2" in str(err.value)
+
+
+def test_stop_at_eos_sets_the_turns_stop_token(tmp_path: Path) -> None:
+    lines = [{"input_ids": [1], "stop_at_eos": True}, {"input_ids": [2]}]
+    lines.append({"input_ids": [3], "stop_at_eos": False})
+    turns = load_prompts(_write(tmp_path, lines), 16, None, eos_token_id=7)
+    assert [t.stop_token for t in turns] == [7, None, None]
 
 
 def test_empty_or_missing_file(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from mesh_hicache.testing import internals
 from runtime.engine import Engine
 from runtime.model import HybridModel
 from runtime.model.config import preset
+from runtime.workloads import Turn
 from tests.engine_cases import ATOL, PAGE, resume_scenarios
 
 
@@ -78,3 +79,18 @@ def test_on_token_sees_every_token_and_stops_early(one_rank_topology):
     assert internals(cache).num_open == 0
     cache.check_integrity()
     cache.close()
+
+
+def test_a_turn_with_a_stop_token_ends_after_it(one_rank_topology):
+    model = HybridModel(preset("tiny"), one_rank_topology, page_size=PAGE)
+    prompt = tuple(range(3, 40))
+    full = Engine(model, None).serve(list(prompt), max_new_tokens=10).output_ids
+    stop = next(i for i in range(1, 10) if full[i] not in full[:i])
+    trace = [Turn(0, 0, 0, prompt, max_new_tokens=10, stop_token=full[stop])]
+    trace.append(Turn(1, 0, 1, (5, 6), max_new_tokens=3))
+    engine = Engine(model, None)
+    first, second = engine.run(trace)
+    assert first.output_ids == full[: stop + 1]
+    assert len(second.output_ids) == 3
+    # The next turn's history is the shortened answer.
+    assert engine.histories[0] == list(prompt) + first.output_ids + [5, 6] + second.output_ids
