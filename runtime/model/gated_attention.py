@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mesh_hicache.layout import kv_head_range, tp_split
 from runtime.model.config import ModelConfig
 from runtime.model.ffn import MoE
 from runtime.model.layers import Attention, rms_norm, rope
@@ -39,17 +38,8 @@ class GatedAttention(Attention):
         page_size: int,
     ) -> None:
         c, e = config, config.head_dim
-        self.layer_id = layer_id
-        self.head_dim = e
-        self.theta = c.rope_theta
-        self.rope_dim = c.rope_dim
-        self.scale = c.attn_scale or e**-0.5
-        self.cp_kv = cp_kv
-        self.page_size = page_size
+        q0, q1, k0, k1 = self._set_heads(c, layer_id, tp, cp_kv, page_size)
         self.eps = c.norm_eps
-        q0, q1 = tp_split(c.num_heads, tp.size, tp.rank)
-        k0, k1 = kv_head_range(c.num_heads, c.num_kv_heads, tp.size, tp.rank)
-        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
         wq = torch.cat([weights.get(f"{prefix}.q.{h}") for h in range(q0, q1)])
         wg = torch.cat([weights.get(f"{prefix}.gate.{h}") for h in range(q0, q1)])
         wk = weights.get(f"{prefix}.k", rows=((k0 * e, k1 * e),))

@@ -141,6 +141,21 @@ class Attention:
         page_size: int,
     ) -> None:
         c, e = config, config.head_dim
+        q0, q1, k0, k1 = self._set_heads(c, layer_id, tp, cp_kv, page_size)
+        dtype = c.dtype
+        wq = weights.get(f"{prefix}.q", rows=((q0 * e, q1 * e),))
+        wk = weights.get(f"{prefix}.k", rows=((k0 * e, k1 * e),))
+        wv = weights.get(f"{prefix}.v", rows=((k0 * e, k1 * e),))
+        self.wqkv = torch.cat([wq, wk, wv]).to(dtype)  # one GEMM for q, k, v
+        self.wo = weights.get(f"{prefix}.o", cols=((q0 * e, q1 * e),)).to(dtype)
+
+    def _set_heads(
+        self, config: ModelConfig, layer_id: int, tp: AxisComm, cp_kv: str, page_size: int
+    ) -> tuple[int, int, int, int]:
+        """Set what every attention kind keeps (layer, head dim, RoPE, scale, cp_kv, page
+        size, this rank's head counts); return its query heads ``[q0, q1)`` and KV heads
+        ``[k0, k1)``."""
+        c, e = config, config.head_dim
         self.layer_id = layer_id
         self.head_dim = e
         self.theta = c.rope_theta
@@ -151,12 +166,7 @@ class Attention:
         q0, q1 = tp_split(c.num_heads, tp.size, tp.rank)
         k0, k1 = kv_head_range(c.num_heads, c.num_kv_heads, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
-        dtype = c.dtype
-        wq = weights.get(f"{prefix}.q", rows=((q0 * e, q1 * e),))
-        wk = weights.get(f"{prefix}.k", rows=((k0 * e, k1 * e),))
-        wv = weights.get(f"{prefix}.v", rows=((k0 * e, k1 * e),))
-        self.wqkv = torch.cat([wq, wk, wv]).to(dtype)  # one GEMM for q, k, v
-        self.wo = weights.get(f"{prefix}.o", cols=((q0 * e, q1 * e),)).to(dtype)
+        return q0, q1, k0, k1
 
     def to(self, device: torch.device) -> None:
         for name in ("wqkv", "wo"):
