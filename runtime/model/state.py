@@ -30,6 +30,13 @@ class SeqState:
     (oldest first; zeros before the sequence start). Model dtype."""
     ssm: dict[int, Tensor] = field(default_factory=dict)
     """Per local SSM layer: ``[local_ssm_heads, ssm_head_dim, ssm_state_dim]`` float32."""
+    latent: dict[int, Tensor] = field(default_factory=dict)
+    """Per local MLA layer: ``[t_local, kv_lora_rank + qk_rope_head_dim]`` (model dtype): the
+    compressed (normed) latent KV then the roped decoupled key, the same on every tp rank.
+    Which tokens: like ``k``."""
+    index_k: dict[int, Tensor] = field(default_factory=dict)
+    """Per local lightning-indexer layer: ``[t_local, index_head_dim]`` (model dtype), the same
+    on every tp rank. Which tokens: like ``k``."""
 
     def clone(self) -> SeqState:
         """A copy that shares no tensors with this state."""
@@ -39,4 +46,6 @@ class SeqState:
             v={i: t.clone() for i, t in self.v.items()},
             conv={i: t.clone() for i, t in self.conv.items()},
             ssm={i: t.clone() for i, t in self.ssm.items()},
+            latent={i: t.clone() for i, t in self.latent.items()},
+            index_k={i: t.clone() for i, t in self.index_k.items()},
         )
