@@ -91,7 +91,7 @@ class TreeCore:
         self._roots: dict[str, TreeNode] = {}
         # Returned as ``last_node`` on a miss in a namespace the tree has never seen.
         self._miss_root = TreeNode(-1, "", None, b"", 0, is_sentinel=True)
-        self._queues = EvictionQueues(self.policy)
+        self._queues = EvictionQueues(self.policy, clock=lambda: self.clock, has_mamba=has_mamba)
         self._rekey_on_touch = not self.policy.monotone
         self.num_nodes = 0
         self.num_device_pages = 0

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 
 class EvictTarget(str, enum.Enum):
@@ -45,6 +46,18 @@ class NodeStats(NamedTuple):
     """Tokens held by the node (a multiple of the page size)."""
     has_mamba_state: bool
     """Whether the node holds a Mamba state on any tier."""
+    prefix_len: int = 0
+    """Tokens from the root to the end of the node (filled for ``path_stats`` policies)."""
+    anchor_len: int = 0
+    """``prefix_len`` of the nearest ancestor that could serve a hit instead of this node:
+    with Mamba the nearest one holding a state (0: the zero state at the root), without
+    Mamba the parent. Refreshed whenever the node is re-queued (``path_stats`` policies)."""
+    is_leaf: bool = False
+    """Whether the node has no children (evicting its state then removes it)."""
+    serves: bool = True
+    """Whether a hit can end at the node (with Mamba: it holds a state)."""
+    inflation: float = 0.0
+    """GreedyDual clock of the target's tier at ``last_access`` (``aging`` policies)."""
 
 
 class EvictionPolicy(abc.ABC):
@@ -52,10 +65,24 @@ class EvictionPolicy(abc.ABC):
 
     monotone: bool = True
     """Whether ``priority`` never decreases as ``last_access`` and ``hit_count`` grow."""
+    path_stats: bool = False
+    """Whether ``priority`` reads ``prefix_len`` / ``anchor_len`` / ``is_leaf`` / ``serves``
+    (the queues then fill them: a walk up to the nearest state per re-queue)."""
+    aging: bool = False
+    """GreedyDual aging: the queues keep one clock per tier (device, host) that becomes the
+    first priority element of each victim, and pass the clock's value at the node's
+    ``last_access`` as ``inflation``. Then ``priority(...)[0]`` must be ``inflation +`` a
+    non-negative value."""
 
     @abc.abstractmethod
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
         """Priority of a candidate for ``target``; smaller is evicted earlier. Pure."""
+
+    def select(self, entries: list[tuple[Any, ...]], target: EvictTarget) -> int | None:
+        """Index into ``entries`` (a target's queue, in priority order) of the victim to take
+        instead of the first, or None for the first. A policy whose ranking depends on the
+        other candidates (``MarconiPolicy``) overrides this; it costs a scan per victim."""
+        return None
 
 
 class LRUPolicy(EvictionPolicy):
@@ -70,3 +97,120 @@ class LFUPolicy(EvictionPolicy):
 
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
         return (stats.hit_count, stats.last_access)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """What a hit saves and what a cached node costs, for value-aware policies.
+
+    FLOPs of the token at position ``t`` (0-based; it attends to ``t + 1`` keys):
+    ``flops_per_token + flops_per_key * (t + 1)`` (every layer: projections, MLP,
+    recurrence; the attention scores and values per key). Bytes: ``kv_bytes_per_token``
+    of KV per cached token (pages included whole), ``state_bytes`` per recurrent-state
+    checkpoint. Only ratios matter to a ranking, so any consistent unit works.
+    """
+
+    kv_bytes_per_token: float
+    state_bytes: float = 0.0
+    flops_per_token: float
+    flops_per_key: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_bytes_per_token", "flops_per_token"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModel.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("state_bytes", "flops_per_key"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def flops(self, start: int, end: int) -> float:
+        """FLOPs of positions ``[start, end)`` (closed form)."""
+        n = end - start
+        if n <= 0:
+            return 0.0
+        keys = (end * (end + 1) - start * (start + 1)) // 2
+        return self.flops_per_token * n + self.flops_per_key * keys
+
+    def node_bytes(self, stats: NodeStats, target: EvictTarget) -> float:
+        """Bytes that evicting the node for ``target`` frees (its pages and its state when
+        the node goes with them; only the state when an inner node loses it)."""
+        kv = stats.num_tokens * self.kv_bytes_per_token
+        state = self.state_bytes if stats.has_mamba_state else 0.0
+        if target in _STATE_TARGETS and not stats.is_leaf:
+            return state or kv
+        return kv + state
+
+    def saved_flops(self, stats: NodeStats) -> float:
+        """What a hit ending at the node saves over one ending at its anchor."""
+        if not stats.serves:
+            return 0.0
+        return self.flops(stats.anchor_len, stats.prefix_len)
+
+
+class CostPolicy(EvictionPolicy):
+    """GreedyDual-Size over compute: ``priority = inflation + saved FLOPs / bytes``.
+
+    The value of a node is the compute its hit saves (``CostModel.saved_flops``: the
+    tokens back to the nearest ancestor that could serve instead) per byte that evicting
+    it frees; ``inflation`` is the tier's clock at the node's last access, and the clock
+    becomes each victim's priority, so an untouched node ages relative to the ones touched
+    after it (GreedyDual-Size). Online, deterministic, heap-friendly: a touch only raises
+    a priority, so queues re-rank lazily (``monotone``).
+    """
+
+    path_stats = True
+    aging = True
+
+    def __init__(self, cost: CostModel) -> None:
+        if not isinstance(cost, CostModel):
+            raise TypeError(f"CostPolicy needs a CostModel, got {cost!r}")
+        self.cost = cost
+
+    def value(self, stats: NodeStats, target: EvictTarget) -> float:
+        """Saved FLOPs per freed byte (>= 0)."""
+        size = self.cost.node_bytes(stats, target)
+        return self.cost.saved_flops(stats) / size if size else 0.0
+
+    def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
+        return (stats.inflation + self.value(stats, target), stats.last_access)
+
+
+class MarconiPolicy(EvictionPolicy):
+    """A baseline after the Marconi paper's description (Pan et al., MLSys 2025): evict
+    the candidate of least ``recency + alpha * flop_efficiency``, both min-max normalized
+    over the current candidates (recency: ``last_access``; FLOP efficiency: saved FLOPs
+    per byte, as ``CostPolicy.value``). Not heap-friendly: a scan of the candidates per
+    victim (``select``); for benchmarks, ``alpha`` tuned per trace offline.
+    """
+
+    path_stats = True
+    monotone = False  # ``select`` reads every candidate's key: keep them all current
+
+    def __init__(self, cost: CostModel, alpha: float) -> None:
+        if not alpha >= 0:
+            raise ValueError(f"MarconiPolicy alpha must be >= 0, got {alpha!r}")
+        self.cost = cost
+        self.alpha = float(alpha)
+        self._values = CostPolicy(cost)
+
+    def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
+        return (stats.last_access, self._values.value(stats, target))
+
+    def select(self, entries: list[tuple[Any, ...]], target: EvictTarget) -> int | None:
+        if len(entries) < 2 or self.alpha == 0:
+            return None
+        t_lo, t_hi = entries[0][0], entries[-1][0]
+        values = [e[1] for e in entries]
+        v_lo, v_hi = min(values), max(values)
+        t_span = (t_hi - t_lo) or 1
+        v_span = (v_hi - v_lo) or 1.0
+        alpha = self.alpha
+        best, best_i = None, 0
+        for i, e in enumerate(entries):
+            score = (e[0] - t_lo) / t_span + alpha * (e[1] - v_lo) / v_span
+            if best is None or score < best:
+                best, best_i = score, i
+        return best_i
+
+
+_STATE_TARGETS = (EvictTarget.MAMBA_DEVICE, EvictTarget.MAMBA_HOST)

@@ -64,6 +64,8 @@ class TreeNode:
         "alive",
         "is_sentinel",
         "queue_entry",
+        "_prefix_len",
+        "anchor_len",
     )
 
     def __init__(
@@ -103,10 +105,33 @@ class TreeNode:
         self.is_sentinel = is_sentinel
         self.queue_entry: list[tuple[Any, ...] | None] = [None, None, None, None]
         """The node's entry in each eviction queue (``queues.EvictionQueues``), or None."""
+        self._prefix_len: int | None = 0 if is_sentinel else None
+        self.anchor_len = 0
+        """Snapshot for value-aware policies: ``prefix_len`` of the nearest ancestor that
+        could serve instead (``eviction.NodeStats.anchor_len``), refreshed by the queues."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.data) >> 3
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens from the namespace root to the node's end. Computed once per node and
+        kept: a split changes a node's start and parent, never its end (the new upper
+        node computes its own)."""
+        n = self._prefix_len
+        if n is None:
+            chain: list[TreeNode] = []
+            m: TreeNode | None = self
+            while m is not None and m._prefix_len is None:
+                chain.append(m)
+                m = m.parent
+            n = m._prefix_len if m is not None else 0
+            assert n is not None
+            for c in reversed(chain):
+                n += len(c.data) >> 3
+                c._prefix_len = n
+        return n
 
     @property
     def tokens(self) -> tuple[int, ...]:

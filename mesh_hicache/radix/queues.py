@@ -26,8 +26,8 @@ that may alter candidacy or priority.
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from collections.abc import Iterator
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mesh_hicache.radix.eviction import EvictionPolicy, EvictTarget, NodeStats
@@ -43,6 +43,15 @@ TARGETS = (
     EvictTarget.MAMBA_DEVICE,
     EvictTarget.MAMBA_HOST,
 )
+
+
+#: The tier (0 device, 1 host) whose GreedyDual clock ages each target.
+_TIER = {
+    EvictTarget.DEVICE_KV: 0,
+    EvictTarget.MAMBA_DEVICE: 0,
+    EvictTarget.HOST_KV: 1,
+    EvictTarget.MAMBA_HOST: 1,
+}
 
 
 def candidacy(node: TreeNode) -> tuple[bool, bool, bool, bool]:
@@ -126,29 +135,92 @@ class _SortedEntries:
 
 
 class EvictionQueues:
-    """The four candidate queues of one tree, ranked by ``policy``."""
+    """The four candidate queues of one tree, ranked by ``policy``.
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    ``clock``: the tree's logical clock (``aging`` policies date each clock step by it;
+    without it the latest ``last_access`` seen stands in). ``has_mamba``: whether hits
+    need a state (``path_stats``: which ancestor could serve instead of a node).
+    """
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        clock: Callable[[], int] | None = None,
+        has_mamba: bool = True,
+    ) -> None:
         self.policy = policy
         self._queues = tuple(_SortedEntries() for _ in TARGETS)
+        self._clock = clock
+        self._has_mamba = has_mamba
+        self._path = policy.path_stats
+        self._aging = policy.aging
+        self._select = type(policy).select is not EvictionPolicy.select
+        self._seen = 0
+        # Per tier (0 device, 1 host): GreedyDual clock steps (from logical time, value).
+        self._steps: tuple[tuple[list[int], list[float]], ...] = (([0], [0.0]), ([0], [0.0]))
+
+    def stats(self, node: TreeNode, target: EvictTarget) -> NodeStats:
+        """What the policy sees of ``node`` for ``target`` (``anchor_len`` as last refreshed)."""
+        if not self._path and not self._aging:
+            n = node
+            return NodeStats(n.last_access, n.hit_count, n.num_tokens, n.has_mamba_state)
+        inflation = 0.0
+        if self._aging:
+            times, values = self._steps[_TIER[target]]
+            inflation = values[bisect_right(times, node.last_access) - 1]
+        return NodeStats(
+            node.last_access,
+            node.hit_count,
+            node.num_tokens,
+            node.has_mamba_state,
+            node.prefix_len,
+            node.anchor_len,
+            not node.children,
+            node.has_mamba_state or not self._has_mamba,
+            inflation,
+        )
 
     def entry(self, node: TreeNode, target: EvictTarget) -> Entry:
         """The node's current queue entry for ``target``."""
-        stats = NodeStats(node.last_access, node.hit_count, node.num_tokens, node.has_mamba_state)
-        return (*self.policy.priority(stats, target), node.id, node)
+        return (*self.policy.priority(self.stats(node, target), target), node.id, node)
+
+    def _refresh(self, node: TreeNode) -> None:
+        """Re-derive the node's ``anchor_len`` (a walk up to the nearest state)."""
+        if node.last_access > self._seen:
+            self._seen = node.last_access
+        if not self._path:
+            return
+        parent = node.parent
+        if self._has_mamba:
+            while parent is not None and not parent.is_sentinel and not parent.has_mamba_state:
+                parent = parent.parent
+        node.anchor_len = parent.prefix_len if parent is not None and not parent.is_sentinel else 0
+
+    def _age(self, target: EvictTarget, key: Entry) -> None:
+        """GreedyDual: the tier's clock becomes the victim's priority (never decreases);
+        nodes touched from the next logical time on see the new value."""
+        times, values = self._steps[_TIER[target]]
+        level = float(key[0])
+        if level <= values[-1]:
+            return
+        now = (self._clock() if self._clock is not None else self._seen) + 1
+        if times[-1] >= now:
+            values[-1] = level
+        else:
+            times.append(now)
+            values.append(level)
 
     def update(self, node: TreeNode) -> None:
         """Make ``node``'s membership and keys match its current state (after a change)."""
         held = node.queue_entry
-        stats: NodeStats | None = None
+        refreshed = False
         for q, wanted in enumerate(candidacy(node)):
             old = held[q]
             if wanted:
-                if stats is None:
-                    stats = NodeStats(
-                        node.last_access, node.hit_count, node.num_tokens, node.has_mamba_state
-                    )
-                new = (*self.policy.priority(stats, TARGETS[q]), node.id, node)
+                if not refreshed:
+                    self._refresh(node)
+                    refreshed = True
+                new = self.entry(node, TARGETS[q])
                 if old is not None:
                     if old == new:
                         continue
@@ -181,7 +253,34 @@ class EvictionQueues:
 
     def pop(self, target: EvictTarget) -> TreeNode | None:
         """Remove and return the first candidate for ``target`` in policy order (ties by
-        creation id); None when there is none."""
+        creation id); None when there is none. An ``aging`` policy's tier clock takes the
+        victim's priority; a policy with ``select`` picks among all candidates."""
+        q = TARGETS.index(target)
+        queue = self._queues[q]
+        if self._select and queue.size > 1:
+            entries = list(queue)
+            i = self.policy.select(entries, target)
+            if i is not None:
+                chosen = entries[i]
+                node = chosen[-1]
+                queue.remove(chosen)
+                node.queue_entry[q] = None
+                return node
+        first = self.head(target)
+        if first is None:
+            return None
+        node = first[-1]
+        queue.remove(first)
+        node.queue_entry[q] = None
+        if self._aging:
+            self._age(target, first)
+        return node
+
+    def head(self, target: EvictTarget) -> Entry | None:
+        """The exact first entry of the ``target`` queue (lazily re-keyed entries moved to
+        their place first), without removing it; None when the queue is empty. Keys of
+        different targets are comparable for the built-in policies (one arena can pick
+        the family to evict by comparing heads)."""
         q = TARGETS.index(target)
         queue = self._queues[q]
         while True:
@@ -189,11 +288,11 @@ class EvictionQueues:
             if first is None:
                 return None
             node: TreeNode = first[-1]
-            queue.remove(first)
+            self._refresh(node)
             current = self.entry(node, target)
             if current == first:
-                node.queue_entry[q] = None
-                return node
+                return first
+            queue.remove(first)
             queue.add(current)  # touched since it was keyed: a later place
             node.queue_entry[q] = current
 
