@@ -99,3 +99,14 @@ class RegionName(Choice):
     INDEXER = "indexer"
     MAMBA_CONV = "mamba_conv"
     MAMBA_SSM = "mamba_ssm"
+
+
+class EvictionPolicyKind(Choice):
+    """How the radix tree ranks eviction victims (docs/DESIGN.md section 5)."""
+
+    LRU = "lru"
+    """Least recently used first."""
+    LFU = "lfu"
+    """Least frequently used first, then least recently used."""
+    COST = "cost"
+    """GreedyDual-Size over compute: FLOPs a hit saves per byte, aged by a per-tier clock."""

@@ -5,17 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mesh_hicache.pools.arena import ALIGN as ARENA_ALIGN
 from mesh_hicache.choices import (
     Choice,
     CpKvMode,
+    EvictionPolicyKind,
     PrefetchPolicy,
     StorageKind,
     TransferBackend,
     WritePolicy,
 )
+from mesh_hicache.radix.eviction import CostModel
 
 #: Reserved in tenants and namespaces: it separates them in the tree's namespace.
 TENANT_SEPARATOR = "\x1f"
+
+#: Integer fields that must be >= 0 (``device_pages``/``device_bytes``: one of them > 0).
+_COUNTS = (
+    "device_pages",
+    "device_mamba_slots",
+    "device_bytes",
+    "host_pages",
+    "host_mamba_slots",
+    "host_bytes",
+    "block_bytes",
+)
 
 #: The choice fields and their enums; a plain string is accepted and stored as the member.
 _CHOICES: dict[str, type[Choice]] = {
@@ -24,6 +38,7 @@ _CHOICES: dict[str, type[Choice]] = {
     "storage": StorageKind,
     "cp_kv": CpKvMode,
     "transfer": TransferBackend,
+    "eviction_policy": EvictionPolicyKind,
 }
 
 
@@ -36,16 +51,30 @@ class HiCacheConfig:
     member (which still compares equal to the string).
     """
 
-    device_pages: int
-    """L1 KV pages per rank (each page holds ``spec.page_size`` tokens of this rank's shard)."""
+    device_pages: int = 0
+    """L1 KV pages per rank (each page holds ``spec.page_size`` tokens of this rank's shard),
+    a fixed pool beside a fixed state pool. 0: L1 is a byte budget (``device_bytes``);
+    exactly one of the two is given."""
     device_mamba_slots: int = 0
-    """L1 Mamba state slots per rank; 0 = ``max(8, device_pages // 4)`` for hybrid specs."""
+    """L1 Mamba state slots per rank with ``device_pages``; 0 = ``max(8, device_pages // 4)``
+    for hybrid specs. Must be 0 with ``device_bytes``."""
+    device_bytes: int = 0
+    """L1 byte budget per rank: one arena of ``block_bytes`` blocks shared by KV pages and
+    recurrent states, whose split follows the workload (docs/DESIGN.md section 7). The
+    block count is derived from mesh-agreed page/state sizes, equal on every rank."""
     host_pages: int = 0
-    """L2 KV pages per rank; 0 = ``host_ratio * device_pages`` (unused without the host tier)."""
+    """L2 KV pages per rank (a fixed pool); 0 = ``host_ratio * device_pages``, or an arena of
+    ``host_ratio * device_bytes`` when L1 is a byte budget (unused without the host tier)."""
     host_ratio: float = 4.0
-    """Host pages per device page when ``host_pages`` is 0."""
+    """L2 size per L1 size (pages, slots or bytes) when L2 is not given."""
     host_mamba_slots: int = 0
-    """L2 Mamba state slots; 0 = ``host_ratio * device_mamba_slots``."""
+    """L2 Mamba state slots with a fixed L2; 0 = ``host_ratio * device_mamba_slots``."""
+    host_bytes: int = 0
+    """L2 byte budget per rank: one arena like ``device_bytes``. Excludes ``host_pages`` and
+    ``host_mamba_slots``."""
+    block_bytes: int = 0
+    """Arena block size in bytes (a multiple of 16); 0 = derived from the page and state
+    sizes (rounding waste <= 1/32). Only with ``device_bytes`` or ``host_bytes``."""
     enable_host: bool = True
     """False: L1 only (a plain radix cache); storage then needs the host tier and is refused."""
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
@@ -75,13 +104,24 @@ class HiCacheConfig:
     Any string without the reserved character ``"\x1f"``."""
     layout_version: int = 1
     """Bumped whenever the stored byte layout changes; part of every storage key."""
+    eviction_policy: EvictionPolicyKind | str = EvictionPolicyKind.LRU
+    """How the tree ranks eviction victims: ``lru``, ``lfu`` or ``cost`` (GreedyDual-Size
+    over the FLOPs a hit saves per byte; docs/DESIGN.md section 5)."""
+    cost_model: CostModel | None = None
+    """Bytes per KV token and per state, FLOPs per token and per key for ``cost``;
+    None = ``CostModel.from_spec`` (rough). The runtime passes its model's numbers."""
 
     def __post_init__(self) -> None:
-        if self.device_pages < 1:
-            raise ValueError(f"HiCacheConfig.device_pages must be >= 1, got {self.device_pages}")
-        for name in ("device_mamba_slots", "host_pages", "host_mamba_slots", "prefetch_threshold"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"HiCacheConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"HiCacheConfig.{name} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"HiCacheConfig.{name} must be >= 0, got {value}")
+        if self.prefetch_threshold < 0:
+            raise ValueError(
+                f"HiCacheConfig.prefetch_threshold must be >= 0, got {self.prefetch_threshold}"
+            )
         if not isinstance(self.tenant, str) or TENANT_SEPARATOR in self.tenant:
             raise ValueError(
                 f"HiCacheConfig.tenant must be a str without {TENANT_SEPARATOR!r}, "
@@ -89,9 +129,14 @@ class HiCacheConfig:
             )
         if self.host_ratio <= 0:
             raise ValueError(f"HiCacheConfig.host_ratio must be > 0, got {self.host_ratio}")
+        self._check_budgets()
         for name, enum_type in _CHOICES.items():
             member = enum_type.parse(getattr(self, name), f"HiCacheConfig.{name}")
             object.__setattr__(self, name, member)
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise TypeError(
+                f"HiCacheConfig.cost_model must be a CostModel or None, got {self.cost_model!r}"
+            )
         if self.storage is not StorageKind.NONE and not self.enable_host:
             raise ValueError(
                 f"HiCacheConfig.storage={str(self.storage)!r} needs the host tier "
@@ -100,11 +145,55 @@ class HiCacheConfig:
         if self.write_policy is WritePolicy.WRITE_BACK and not self.enable_host:
             raise ValueError("HiCacheConfig.write_policy='write_back' needs enable_host=True")
 
+    def _check_budgets(self) -> None:
+        if (self.device_pages > 0) == (self.device_bytes > 0):
+            raise ValueError(
+                "HiCacheConfig needs exactly one of device_pages (>= 1) and device_bytes (> 0), "
+                f"got device_pages={self.device_pages}, device_bytes={self.device_bytes}"
+            )
+        if self.device_bytes and self.device_mamba_slots:
+            raise ValueError(
+                f"HiCacheConfig.device_mamba_slots={self.device_mamba_slots} is fixed-pool only: "
+                f"with device_bytes={self.device_bytes} pages and states share one arena"
+            )
+        if self.host_bytes and (self.host_pages or self.host_mamba_slots):
+            raise ValueError(
+                f"HiCacheConfig.host_bytes={self.host_bytes} excludes host_pages="
+                f"{self.host_pages} and host_mamba_slots={self.host_mamba_slots}"
+            )
+        if self.block_bytes % ARENA_ALIGN:
+            raise ValueError(
+                f"HiCacheConfig.block_bytes must be a multiple of {ARENA_ALIGN}, "
+                f"got {self.block_bytes}"
+            )
+        if self.block_bytes and not (self.device_bytes or self.host_arena_bytes()):
+            raise ValueError(
+                f"HiCacheConfig.block_bytes={self.block_bytes} needs device_bytes or host_bytes"
+            )
+
     def mamba_device_slots(self) -> int:
+        """Fixed L1 state slots (0 when L1 is an arena)."""
+        if self.device_bytes:
+            return 0
         return self.device_mamba_slots or max(8, self.device_pages // 4)
 
     def num_host_pages(self) -> int:
+        """Fixed L2 pages (0 when L2 is an arena)."""
+        if self.host_arena_bytes():
+            return 0
         return self.host_pages or int(self.host_ratio * self.device_pages)
 
     def mamba_host_slots(self) -> int:
+        """Fixed L2 state slots (0 when L2 is an arena)."""
+        if self.host_arena_bytes():
+            return 0
         return self.host_mamba_slots or int(self.host_ratio * self.mamba_device_slots())
+
+    def host_arena_bytes(self) -> int:
+        """L2 arena budget per rank: ``host_bytes``, else ``host_ratio * device_bytes``
+        when L1 is an arena and L2 has no fixed size; 0 for a fixed L2."""
+        if self.host_bytes:
+            return self.host_bytes
+        if self.device_bytes and not self.host_pages:
+            return int(self.host_ratio * self.device_bytes)
+        return 0

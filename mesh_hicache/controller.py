@@ -42,6 +42,7 @@ from mesh_hicache.pools.allocator import PageAllocator
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import PoolUsage, RadixKey, RadixTree
+from mesh_hicache.radix.eviction import CostModel, make_policy
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.storage.factory import open_storage
@@ -92,7 +93,9 @@ class HiCacheController:
                 topology=topology,
             )
             self.engine = make_transfer_engine(self.device, self.host, str(config.transfer))
-        self.tree = RadixTree(spec.page_size, spec.has_mamba)
+        cost = config.cost_model or CostModel.from_spec(spec)
+        evict_policy = make_policy(str(config.eviction_policy), cost)
+        self.tree = RadixTree(spec.page_size, spec.has_mamba, evict_policy)
         self.agree = Consensus.over(topology, "pp", "cp", "tp")
         policy = PrefetchPolicy(config.prefetch_policy)
         self.stats = CacheStats(prefetch_policy=policy)

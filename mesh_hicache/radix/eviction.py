@@ -23,7 +23,10 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from mesh_hicache.spec import StateSpec
 
 
 class EvictTarget(str, enum.Enum):
@@ -123,6 +126,37 @@ class CostModel:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)!r}")
 
+    @classmethod
+    def from_spec(cls, spec: StateSpec) -> CostModel:
+        """A rough default from a ``StateSpec`` (which knows no hidden size): bytes exact
+        (whole model, before sharding: the same on every rank), FLOPs as if every layer
+        had ``24 h^2`` per token with ``h`` the widest per-token state (KV heads x head
+        dim, or SSM heads x head dim) and ``4 h`` per key per attention layer. The runtime
+        passes the model's own numbers (``HiCacheConfig.cost_model``)."""
+        kv, mamba = spec.kv, spec.mamba
+        kv_bytes = 0.0
+        h = 1
+        if kv is not None:
+            width = kv.num_kv_heads * kv.head_dim
+            kv_bytes = len(kv.layer_ids) * kv.num_parts * width * kv.dtype.itemsize
+            h = max(h, width)
+        if spec.indexer is not None:
+            ix = spec.indexer
+            kv_bytes += len(ix.layer_ids) * ix.key_dim * ix.dtype.itemsize
+        state = 0.0
+        if mamba is not None:
+            conv = mamba.conv_dim * (mamba.conv_kernel - 1) * mamba.conv_dtype.itemsize
+            ssm = mamba.num_heads * mamba.head_dim * mamba.state_dim * mamba.ssm_dtype.itemsize
+            state = len(mamba.layer_ids) * (conv + ssm)
+            h = max(h, mamba.num_heads * mamba.head_dim)
+        per_key = 4.0 * h * (len(kv.layer_ids) if kv is not None else 0)
+        return cls(
+            kv_bytes_per_token=kv_bytes or 1.0,
+            state_bytes=state,
+            flops_per_token=24.0 * h * h * spec.num_layers,
+            flops_per_key=per_key,
+        )
+
     def flops(self, start: int, end: int) -> float:
         """FLOPs of positions ``[start, end)`` (closed form)."""
         n = end - start
@@ -173,6 +207,17 @@ class CostPolicy(EvictionPolicy):
 
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
         return (stats.inflation + self.value(stats, target), stats.last_access)
+
+
+def make_policy(kind: str, cost: CostModel) -> EvictionPolicy:
+    """The policy named by ``kind`` (``choices.EvictionPolicyKind`` values)."""
+    if kind == "lru":
+        return LRUPolicy()
+    if kind == "lfu":
+        return LFUPolicy()
+    if kind == "cost":
+        return CostPolicy(cost)
+    raise ValueError(f"eviction policy {kind!r}; choose from ('lru', 'lfu', 'cost')")
 
 
 class MarconiPolicy(EvictionPolicy):
