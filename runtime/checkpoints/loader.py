@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoints import bamba, granitemoehybrid, nemotron_h, qwen3_next
+from runtime.checkpoints import bamba, deepseek_v32, granitemoehybrid, nemotron_h, qwen3_next
 from runtime.checkpoints.base import (
     Adapter,
     CheckpointWeights,
@@ -30,6 +30,7 @@ _ALL: tuple[Adapter, ...] = (
     bamba.ADAPTER,
     nemotron_h.ADAPTER,
     *qwen3_next.ADAPTERS,
+    deepseek_v32.ADAPTER,
 )
 ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from mesh_hicache.choices import CpKvMode
-from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
+from mesh_hicache.spec import IndexerSpec, KVSpec, MambaSpec, StateSpec
 
 ATTENTION = "A"
 SSM = "S"
@@ -28,7 +28,7 @@ MOE = "E"
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 ROUTERS = ("softmax", "sigmoid")
 SSM_KINDS = ("mamba2", "gdn")
-ATTN_KINDS = ("plain", "gated")
+ATTN_KINDS = ("plain", "gated", "mla")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -127,6 +127,24 @@ class ModelConfig:
     ``(1 + w)`` norms of Qwen3-Next / Qwen3.5)."""
     shared_expert_gate: bool = False
     """The MoE's shared expert is scaled by ``sigmoid(x @ w_gate)`` (Qwen3-Next)."""
+    q_lora_rank: int = 0
+    """``attn_kind="mla"`` (DeepSeek-V3.2, ``runtime.model.mla``): width of the compressed
+    query (``q_a``), also the lightning indexer's query input."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed latent KV (cached per token, with the RoPE key)."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key channels without RoPE (expanded from the latent)."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query channels with RoPE; the one shared RoPE key has this width.
+    Also the indexer's rotated channels."""
+    v_head_dim: int = 0
+    """MLA: per-head value channels."""
+    index_heads: int = 0
+    """MLA: lightning-indexer query heads (the indexer is replicated over tp)."""
+    index_head_dim: int = 0
+    """MLA: indexer key / query width (the per-token indexer key is cached)."""
+    index_topk: int = 0
+    """MLA: keys each query attends to (the indexer's top-k over all previous tokens)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -192,10 +210,45 @@ class ModelConfig:
             )
         if self.ssm_kind == "gdn" and not self.ssm_groups:
             raise ValueError("ModelConfig.ssm_kind='gdn' needs ssm_groups (key heads) > 0")
+        if self.attn_kind == "mla":
+            self._check_mla()
         if self.dtype not in DTYPES.values():
             raise ValueError(f"ModelConfig.dtype={self.dtype}; valid: {list(DTYPES.values())}")
 
+    def _check_mla(self) -> None:
+        for name in (
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "index_heads", "index_head_dim", "index_topk",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"ModelConfig.{name} must be a positive int for MLA, got {value!r}"
+                )
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ValueError(
+                f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= "
+                f"index_head_dim={self.index_head_dim}"
+            )
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ValueError(
+                f"ModelConfig.head_dim={self.head_dim} must be qk_nope_head_dim + "
+                f"qk_rope_head_dim for MLA"
+            )
+        if SSM in self.layer_pattern:
+            raise ValueError("ModelConfig: MLA models have no SSM layers (layer_pattern)")
+
     # -- derived shapes -----------------------------------------------------------------------
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        """The MLA layers (every attention layer of an ``mla`` model; each has an indexer)."""
+        return self.attention_layers if self.attn_kind == "mla" else ()
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached MLA channels per token: the latent KV then the RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def num_layers(self) -> int:
@@ -282,6 +335,21 @@ class ModelConfig:
 
         KV and conv state use ``dtype``; the SSM state is float32.
         """
+        if self.mla_layers:
+            return StateSpec(
+                page_size=page_size,
+                kv=KVSpec(
+                    layer_ids=self.mla_layers,
+                    num_kv_heads=1,
+                    head_dim=self.latent_dim,
+                    dtype=self.dtype,
+                    mla=True,
+                ),
+                indexer=IndexerSpec(
+                    layer_ids=self.mla_layers, key_dim=self.index_head_dim, dtype=self.dtype
+                ),
+                model_id=self.model_id,
+            )
         kv = None
         if self.attention_layers:
             kv = KVSpec(

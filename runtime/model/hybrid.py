@@ -23,6 +23,7 @@ from runtime.model.ffn import DenseMLP, MoE
 from runtime.model.gated_attention import GatedAttention, GatedSharedMoE
 from runtime.model.gdn import GatedDeltaNet
 from runtime.model.layers import Attention, Mamba2, RMSNorm
+from runtime.model.mla import MLAttention
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
 from runtime.model.state import SeqState
 from runtime.model.weights import SeededWeights, WeightSource
@@ -55,8 +56,10 @@ class Layer:
         self.layer_id = layer_id
         self.scale = config.residual_scale
         self.blocks: list[tuple[RMSNorm, object]] = []
-        self.mixer: Attention | Mamba2 | GatedDeltaNet
-        attention = GatedAttention if config.attn_kind == "gated" else Attention
+        self.mixer: Attention | MLAttention | Mamba2 | GatedDeltaNet
+        attention: type[Attention] | type[MLAttention] = Attention
+        if config.attn_kind != "plain":
+            attention = GatedAttention if config.attn_kind == "gated" else MLAttention
         recurrent = GatedDeltaNet if config.ssm_kind == "gdn" else Mamba2
         moe = GatedSharedMoE if config.shared_expert_gate else MoE
         for b in config.layer_blocks()[layer_id]:
@@ -90,7 +93,7 @@ class Layer:
     ) -> Tensor:
         for norm, op in self.blocks:
             x = norm(h)
-            if isinstance(op, Attention):
+            if isinstance(op, (Attention, MLAttention)):
                 h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp))
             elif isinstance(op, (Mamba2, GatedDeltaNet)):
                 h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp))
@@ -101,7 +104,7 @@ class Layer:
     def decode(self, h: Tensor, state: SeqState, comms: MeshComms) -> Tensor:
         for norm, op in self.blocks:
             x = norm(h)
-            if isinstance(op, Attention):
+            if isinstance(op, (Attention, MLAttention)):
                 h = self._add(h, op.decode(x, state, comms.cp, comms.tp))
             elif isinstance(op, (Mamba2, GatedDeltaNet)):
                 # Every cp rank runs the same token: the SSM needs no cp exchange.
@@ -186,7 +189,13 @@ class HybridModel:
         kv_heads = layout.local_kv_heads if c.attention_layers else 0
         for block in self.blocks:
             mixer = block.mixer
-            if isinstance(mixer, Attention):
+            if isinstance(mixer, MLAttention):
+                lid = mixer.layer_id
+                state.latent[lid] = torch.zeros(0, c.latent_dim, dtype=c.dtype, device=self.device)
+                state.index_k[lid] = torch.zeros(
+                    0, c.index_head_dim, dtype=c.dtype, device=self.device
+                )
+            elif isinstance(mixer, Attention):
                 empty = torch.zeros(0, kv_heads, c.head_dim, dtype=c.dtype, device=self.device)
                 state.k[mixer.layer_id], state.v[mixer.layer_id] = empty, empty.clone()
             else:

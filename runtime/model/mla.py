@@ -1,0 +1,232 @@
+"""DeepSeek-V3.2 attention: MLA with a lightning indexer choosing the keys (DSA).
+
+Per token the layer caches two small tensors, both the same on every tp rank:
+
+- the **latent** ``[kv_lora_rank + qk_rope_head_dim]``: the RMS-normed compressed KV
+  ``c = norm(x @ kv_a)[:Lkv]`` then the one shared RoPE key ``k_rot`` (interleaved-pair
+  RoPE, stored as ``[rotated even channels | rotated odd channels]``, as transformers
+  caches it). Keys and values are expanded from it per head: ``kv_b(c)`` holds each
+  head's ``[k_nope | v]``; a head's key is ``[k_nope | k_rot]``.
+- the **indexer key** ``[index_head_dim]``: ``LayerNorm(x @ wk)`` with rotate-half RoPE
+  on its first ``qk_rope_head_dim`` channels.
+
+The indexer scores every previous token ``t`` for query ``s`` as
+``sum_h w[s, h] * relu(q_idx[s, h] . k_idx[t]) * Di^-0.5`` (``w = x @ weights_proj *
+Hi^-0.5``, ``q_idx`` from the compressed query) and keeps the ``index_topk`` best; the
+query attends (softmax) to those keys only. Top-k needs every previous token's indexer
+key, so under cp the ranks all-gather the new tokens' latents and indexer keys (and the
+cached prefix's shards under ``cp_kv="shard"``, in prefill and in decode): every rank
+selects over the full prefix, exactly as one rank does.
+
+TP splits the query heads (``q_b`` rows, ``kv_b`` rows, ``o`` columns); the compressed
+projections, the latent and the whole indexer are replicated, so the top-k selection is
+the same on every tp rank.
+
+Dims: ``T`` query tokens, ``L`` keys (prefix + new), ``D`` d_model, ``H`` local heads,
+``Lq``/``Lkv`` q/kv lora ranks, ``N`` nope, ``R`` rope, ``V`` value head dim, ``Hi``/``Di``
+indexer heads / head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mesh_hicache.layout import tp_split
+from runtime.model.config import ModelConfig
+from runtime.model.layers import rms_norm, rope
+from runtime.model.parallel import AxisComm, kv_shard_owner, kv_shard_positions
+from runtime.model.state import SeqState
+from runtime.model.weights import WeightSource
+
+LORA_NORM_EPS = 1e-6
+"""DeepSeek's q_a / kv_a RMSNorms and the indexer's LayerNorm use this eps, not the
+residual stream's ``rms_norm_eps``."""
+
+
+def rope_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """RoPE over interleaved pairs ``(x0, x1), (x2, x3), ...`` of ``x`` ``[T, ..., R]``;
+    returns ``[evens rotated | odds rotated]`` (transformers' DeepSeek layout: dot
+    products equal the interleaved rotation's)."""
+    r = x.shape[-1]
+    freqs = 1.0 / theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=x.device) / r)
+    angles = positions.to(torch.float32)[:, None] * freqs[None, :]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
+    cos, sin = angles.cos().view(shape).to(x.dtype), angles.sin().view(shape).to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLAttention:
+    """Weights by logical name (under ``prefix``): ``q_a`` ``[Lq, D]``, ``q_a_norm`` ``[Lq]``,
+    ``q_b`` ``[heads*(N+R), Lq]``, ``kv_a`` ``[Lkv+R, D]``, ``kv_a_norm`` ``[Lkv]``, ``kv_b``
+    ``[heads*(N+V), Lkv]``, ``o`` ``[D, heads*V]``; indexer ``index_q`` ``[Hi*Di, Lq]``,
+    ``index_k`` ``[Di, D]``, ``index_norm`` / ``index_norm_bias`` ``[Di]``, ``index_w``
+    ``[Hi, D]``. ``cp_kv`` / ``page_size`` say which tokens this cp rank keeps (SeqState).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        prefix: str,
+        layer_id: int,
+        weights: WeightSource,
+        tp: AxisComm,
+        *,
+        cp_kv: str,
+        page_size: int,
+    ) -> None:
+        c = config
+        self.layer_id = layer_id
+        self.cp_kv, self.page_size = cp_kv, page_size
+        self.theta = c.rope_theta
+        self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.q_rank, self.kv_rank = c.q_lora_rank, c.kv_lora_rank
+        self.index_heads, self.index_dim, self.topk = c.index_heads, c.index_head_dim, c.index_topk
+        self.scale = c.attn_scale or c.head_dim**-0.5
+        h0, h1 = tp_split(c.num_heads, tp.size, tp.rank)
+        self.num_heads = h1 - h0
+        qk, kv = self.nope + self.rope_dim, self.nope + self.v_dim
+        get, dtype = weights.get, c.dtype
+        # One GEMM from x: [q_a | kv_a | index_k | index_w] (all replicated over tp).
+        w_in = [get(f"{prefix}.{n}") for n in ("q_a", "kv_a", "index_k", "index_w")]
+        self.sizes = [w.shape[0] for w in w_in]
+        self.w_in = torch.cat(w_in).to(dtype)
+        self.q_a_norm = get(f"{prefix}.q_a_norm").to(dtype)
+        self.kv_a_norm = get(f"{prefix}.kv_a_norm").to(dtype)
+        # From the compressed query: this rank's heads, then the indexer's query.
+        self.q_b = torch.cat(
+            [get(f"{prefix}.q_b", rows=((h0 * qk, h1 * qk),)), get(f"{prefix}.index_q")]
+        ).to(dtype)
+        self.kv_b = get(f"{prefix}.kv_b", rows=((h0 * kv, h1 * kv),)).to(dtype)
+        self.wo = get(f"{prefix}.o", cols=((h0 * self.v_dim, h1 * self.v_dim),)).to(dtype)
+        self.index_norm = get(f"{prefix}.index_norm").to(dtype)
+        self.index_norm_bias = get(f"{prefix}.index_norm_bias").to(dtype)
+
+    def to(self, device: torch.device) -> None:
+        for name in (
+            "w_in", "q_a_norm", "kv_a_norm", "q_b", "kv_b", "wo", "index_norm", "index_norm_bias"
+        ):  # fmt: skip
+            setattr(self, name, getattr(self, name).to(device))
+
+    # -- projections --------------------------------------------------------------------------
+
+    def _project_in(self, x: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        """(queries ``[T, H, N+R]``, indexer queries ``[T, Hi, Di]``, indexer head weights
+        ``[T, Hi]`` float32, latents ``[T, Lkv+R]``, indexer keys ``[T, Di]``)."""
+        t, r = x.shape[0], self.rope_dim
+        q_c, ckv, k_idx, w_idx = F.linear(x, self.w_in).split(self.sizes, dim=-1)
+        q_c = rms_norm(q_c, self.q_a_norm, LORA_NORM_EPS)
+        q, q_idx = F.linear(q_c, self.q_b).split(
+            [self.num_heads * (self.nope + r), self.index_heads * self.index_dim], dim=-1
+        )
+        q = q.reshape(t, self.num_heads, self.nope + r)
+        q = torch.cat(
+            [q[..., : self.nope], rope_pairs(q[..., self.nope :], positions, self.theta)], -1
+        )
+        q_idx = rope(q_idx.reshape(t, self.index_heads, self.index_dim), positions, self.theta, r)
+        kv_c, k_rot = ckv.split([self.kv_rank, r], dim=-1)
+        latent = torch.cat(
+            [
+                rms_norm(kv_c, self.kv_a_norm, LORA_NORM_EPS),
+                rope_pairs(k_rot, positions, self.theta),
+            ],
+            dim=-1,
+        )
+        k_idx = F.layer_norm(
+            k_idx, (self.index_dim,), self.index_norm, self.index_norm_bias, LORA_NORM_EPS
+        )
+        k_idx = rope(k_idx[:, None], positions, self.theta, r)[:, 0]
+        w_idx = w_idx.float() * self.index_heads**-0.5
+        return q, q_idx, w_idx, latent, k_idx
+
+    def _select(self, q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, q_pos: Tensor) -> Tensor:
+        """Bool ``[T, L]``: the keys each query attends to (its top-k, causal)."""
+        scores = torch.matmul(q_idx.float(), k_idx.float().T) * self.index_dim**-0.5  # [T, Hi, L]
+        index = torch.matmul(w_idx.unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [T, L]
+        causal = torch.arange(k_idx.shape[0], device=q_pos.device)[None, :] <= q_pos[:, None]
+        index = index.masked_fill(~causal, float("-inf"))
+        top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+        chosen = torch.zeros_like(causal).scatter_(1, top, True)
+        return chosen & causal
+
+    def _attend(self, q: Tensor, latent: Tensor, allowed: Tensor, dtype: torch.dtype) -> Tensor:
+        """Softmax attention of ``q`` over the ``allowed`` keys expanded from ``latent``;
+        returns this rank's partial output projection ``[T, D]`` (before the tp reduce)."""
+        length, r = latent.shape[0], self.rope_dim
+        kv = F.linear(latent[:, : self.kv_rank], self.kv_b).view(length, self.num_heads, -1)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rot = latent[:, None, self.kv_rank :].expand(length, self.num_heads, r)
+        k = torch.cat([k_nope, k_rot], dim=-1)
+        scores = torch.einsum("the,lhe->htl", q.float(), k.float()) * self.scale
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("htl,lhe->the", probs, v.float())
+        return F.linear(out.flatten(1).to(dtype), self.wo)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def prefill(
+        self, x: Tensor, bounds: list[tuple[int, int]], state: SeqState, cp: AxisComm, tp: AxisComm
+    ) -> Tensor:
+        """Attend this rank's chunk ``x`` ``[T, D]`` (bounds[cp.rank] of the new tokens).
+
+        All-gathers the new latents and indexer keys over cp (under ``shard`` also the
+        cached prefix's shards); appends to ``state.latent/index_k[layer_id]`` the tokens
+        this rank keeps.
+        """
+        lid, prefix_len = self.layer_id, state.num_tokens
+        start, end = bounds[cp.rank]
+        positions = torch.arange(prefix_len + start, prefix_len + end, device=x.device)
+        q, q_idx, w_idx, latent, k_idx = self._project_in(x, positions)
+        lengths = [e - s for s, e in bounds]
+        latent_new = torch.cat(cp.all_gather_ragged(latent, lengths))
+        k_idx_new = torch.cat(cp.all_gather_ragged(k_idx, lengths))
+        latent_all = torch.cat([self._full(state.latent[lid], prefix_len, cp), latent_new])
+        k_idx_all = torch.cat([self._full(state.index_k[lid], prefix_len, cp), k_idx_new])
+        if q.shape[0]:
+            allowed = self._select(q_idx, w_idx, k_idx_all, positions)
+            out = self._attend(q, latent_all, allowed, x.dtype)
+        else:
+            out = x.new_zeros(0, self.wo.shape[0])
+        if self.cp_kv == "shard" and cp.size > 1:
+            new_pos = torch.arange(prefix_len, prefix_len + latent_new.shape[0], device=x.device)
+            mine = kv_shard_owner(new_pos, self.page_size, cp.size) == cp.rank
+            state.latent[lid] = torch.cat([state.latent[lid], latent_new[mine]])
+            state.index_k[lid] = torch.cat([state.index_k[lid], k_idx_new[mine]])
+        else:
+            state.latent[lid], state.index_k[lid] = latent_all, k_idx_all
+        return tp.all_reduce(out)
+
+    def decode(self, x: Tensor, state: SeqState, cp: AxisComm, tp: AxisComm) -> Tensor:
+        """One token ``x`` ``[1, D]`` at position ``state.num_tokens``, the same on every cp
+        rank. Under ``shard`` the prefix is all-gathered (top-k needs every indexer key) and
+        only the token's owner appends it."""
+        lid, pos = self.layer_id, state.num_tokens
+        positions = torch.tensor([pos], device=x.device)
+        q, q_idx, w_idx, latent, k_idx = self._project_in(x, positions)
+        latent_all = torch.cat([self._full(state.latent[lid], pos, cp), latent])
+        k_idx_all = torch.cat([self._full(state.index_k[lid], pos, cp), k_idx])
+        allowed = self._select(q_idx, w_idx, k_idx_all, positions)
+        out = self._attend(q, latent_all, allowed, x.dtype)
+        if self.cp_kv == "shard" and cp.size > 1:
+            if int(kv_shard_owner(positions, self.page_size, cp.size)) == cp.rank:
+                state.latent[lid] = torch.cat([state.latent[lid], latent])
+                state.index_k[lid] = torch.cat([state.index_k[lid], k_idx])
+        else:
+            state.latent[lid], state.index_k[lid] = latent_all, k_idx_all
+        return tp.all_reduce(out)
+
+    def _full(self, local: Tensor, num_tokens: int, cp: AxisComm) -> Tensor:
+        """The prefix's ``num_tokens`` rows in position order: ``local`` itself, or under
+        ``shard`` (cp > 1) rebuilt from every cp rank's rows (collective)."""
+        if self.cp_kv != "shard" or cp.size == 1:
+            assert local.shape[0] == num_tokens, (local.shape, num_tokens)
+            return local
+        owned = [kv_shard_positions(num_tokens, self.page_size, cp.size, r) for r in range(cp.size)]
+        parts = cp.all_gather_ragged(local, [len(p) for p in owned])
+        full = local.new_empty((num_tokens, *local.shape[1:]))
+        for positions, part in zip(owned, parts, strict=True):
+            full[positions.to(full.device)] = part
+        return full

@@ -1,0 +1,163 @@
+"""DeepSeek-V3.2 (MLA + lightning indexer + MoE) on one rank equals transformers.
+
+Oracle: transformers' eager ``DeepseekV32ForCausalLM`` on the same ``save_pretrained``
+directory (``tests.deepseek_cases``). Tolerance (float32): ATOL = 1e-4 on logits of
+magnitude ~1-10, 1e-5 on the cached latent / indexer keys (only the order of float sums
+differs). ``index_topk`` = 6 and prompts of 21-40 tokens: the top-k drops keys, which
+``test_topk_really_drops_keys`` proves by showing dense attention gives other logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.checkpoints import load_checkpoint
+from runtime.model import HybridModel
+from tests.deepseek_cases import (
+    INDEX_TOPK,
+    build,
+    hf_config,
+    hf_index_keys,
+    hf_latent,
+    hf_model,
+    prompt_ids,
+)
+
+ATOL = 1e-4
+STATE_ATOL = 1e-5
+PROMPT = 40
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("deepseek_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def hf(directory: Path):
+    return hf_model(directory)
+
+
+def _model(directory: Path, **overrides: object) -> HybridModel:
+    ckpt = load_checkpoint(directory)
+    config = dataclasses.replace(ckpt.config, **overrides) if overrides else ckpt.config
+    return HybridModel(config, weights=ckpt.weights, page_size=16)
+
+
+def _assert_state_equals_cache(state, cache, num_layers: int) -> None:
+    for layer in range(num_layers):
+        torch.testing.assert_close(
+            state.latent[layer], hf_latent(cache, layer), atol=STATE_ATOL, rtol=0
+        )
+        torch.testing.assert_close(
+            state.index_k[layer], hf_index_keys(cache, layer), atol=STATE_ATOL, rtol=0
+        )
+
+
+def test_config_from_checkpoint(directory: Path) -> None:
+    c = load_checkpoint(directory).config
+    assert c.attn_kind == "mla" and c.layer_pattern == "AAA" and c.blocks == "AMAEAE"
+    assert (c.latent_dim, c.index_head_dim, c.index_topk) == (16 + 8, 16, INDEX_TOPK)
+    spec = c.state_spec(16)
+    assert spec.kv is not None and spec.kv.mla and spec.kv.head_dim == c.latent_dim
+    assert spec.indexer is not None and spec.indexer.layer_ids == (0, 1, 2)
+
+
+def test_all_position_logits_and_caches_equal_transformers(directory: Path, hf) -> None:
+    ids = prompt_ids(PROMPT)
+    with torch.no_grad():
+        out = hf(ids[None], position_ids=torch.arange(PROMPT)[None], use_cache=True)
+    want = out.logits[0].float()
+    assert want.abs().max() > 1.0  # a non-trivial model
+    model = _model(directory)
+    state = model.new_state()
+    got = model.prefill(ids, state, all_logits=True)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert state.num_tokens == PROMPT
+    _assert_state_equals_cache(state, out.cache, model.config.num_layers)
+
+
+def test_topk_really_drops_keys(directory: Path, hf) -> None:
+    # The same weights with a top-k that keeps every key: the late positions' logits move
+    # well past ATOL, so the equality above depends on the sparse selection.
+    ids = prompt_ids(PROMPT)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+    model = _model(directory, index_topk=PROMPT)
+    dense = model.prefill(ids, model.new_state(), all_logits=True)
+    early = slice(0, INDEX_TOPK)  # at most top-k visible keys: sparse = dense there
+    torch.testing.assert_close(dense[early], want[early], atol=ATOL, rtol=0)
+    assert (dense[INDEX_TOPK + 4 :] - want[INDEX_TOPK + 4 :]).abs().max() > 100 * ATOL
+
+
+def test_decode_logits_and_caches_equal_transformers(directory: Path, hf) -> None:
+    # Prefill 30, then decode 6 tokens one by one: every step's logits and the caches
+    # after the last step equal transformers' incremental forward.
+    ids = prompt_ids(36, seed=7)
+    model = _model(directory)
+    state = model.new_state()
+    with torch.no_grad():
+        out = hf(ids[None, :30], use_cache=True)
+        cache = out.cache
+        torch.testing.assert_close(
+            model.prefill(ids[:30], state), out.logits[0, -1], atol=ATOL, rtol=0
+        )
+        for pos in range(30, 36):
+            out = hf(ids[None, pos : pos + 1], cache=cache, use_cache=True)
+            got = model.decode(int(ids[pos]), state)
+            torch.testing.assert_close(got, out.logits[0, -1], atol=ATOL, rtol=0)
+    assert state.num_tokens == 36
+    _assert_state_equals_cache(state, cache, model.config.num_layers)
+
+
+def test_greedy_tokens_equal_generate(directory: Path, hf) -> None:
+    prompt = prompt_ids(21, seed=5)
+    with torch.no_grad():
+        generated = hf.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, 21, dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    want = generated[0, 21:].tolist()
+    model = _model(directory)
+    state = model.new_state()
+    token = int(model.prefill(prompt, state).argmax())
+    got = [token]
+    for _ in range(9):
+        token = int(model.decode(token, state).argmax())
+        got.append(token)
+    assert got == want
+
+
+@pytest.mark.parametrize("split", [9, 16, 27])
+def test_prefill_after_cached_prefix_equals_whole_prompt(directory: Path, split: int) -> None:
+    # The second prefill's top-k selects among the cached prefix's keys too: its logits
+    # equal the whole prompt's from scratch (page-aligned and unaligned prefixes).
+    ids = prompt_ids(PROMPT, seed=11)
+    model = _model(directory)
+    whole = model.prefill(ids, model.new_state(), all_logits=True)
+    state = model.new_state()
+    model.prefill(ids[:split], state)
+    rest = model.prefill(ids[split:], state.clone(), all_logits=True)
+    torch.testing.assert_close(rest, whole[split:], atol=ATOL, rtol=0)
+
+
+def test_unsupported_features_are_named(tmp_path: Path) -> None:
+    import json
+
+    directory = build(tmp_path, name="yarn")
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        load_checkpoint(directory)
+    with pytest.raises(ValueError, match="index_topk"):
+        dataclasses.replace(load_checkpoint(build(tmp_path)).config, index_topk=0)
+    assert hf_config().index_topk == INDEX_TOPK
