@@ -144,7 +144,8 @@ def _cp_placement(sharded: bool, token_dim: int) -> Placement:
 
 
 def kv_region(kv: KVSpec, page_size: int, pos: RankPosition, layers: RegionLayers) -> RegionLayout:
-    """The ``kv`` region: ``[L, 2, T, H, D]`` rows (K and V), see docs/DESIGN.md section 4."""
+    """The ``kv`` region: ``[L, 2, T, H, D]`` rows (K and V; ``[L, 1, T, H, D]`` keys only,
+    e.g. an MLA latent), see docs/DESIGN.md section 4."""
     pp, _, tp = pos.shape
     t = pos.coords[2]
     h_local = local_kv_heads(kv, tp)
@@ -163,8 +164,8 @@ def kv_region(kv: KVSpec, page_size: int, pos: RankPosition, layers: RegionLayer
         family=Family.KV,
         dtype=kv.dtype,
         placements=(Shard(1), _cp_placement(pos.cp_sharded, 3), tp_place),
-        local_shape=(layers.rows, 2, pos.page_size_local, h_local, kv.head_dim),
-        global_shape=(layers.rows * pp, 2, page_size, h_global, kv.head_dim),
+        local_shape=(layers.rows, kv.num_parts, pos.page_size_local, h_local, kv.head_dim),
+        global_shape=(layers.rows * pp, kv.num_parts, page_size, h_global, kv.head_dim),
         global_slice=GlobalSlice(layers.span, heads, pos.tokens),
         is_writer=bool(layers.ids) and pos.first_cp and first_tp,
         local_layer_ids=layers.ids,

@@ -3,7 +3,8 @@
 Three families:
 
 - ``KV`` (full attention): per layer ``K`` and ``V`` of shape ``[tokens, kv_heads, head_dim]``,
-  stored in pages of ``page_size`` tokens.
+  stored in pages of ``page_size`` tokens. MLA declares its latent as head-less keys only
+  (``mla=True, values=False, num_kv_heads=1``), replicated over tp.
 - ``MAMBA`` (recurrent): per layer a conv state ``[conv_dim, conv_kernel - 1]`` and a
   recurrent state ``[num_heads, head_dim, state_dim]``, one per prefix boundary (a "slot"),
   not per token. Conv channels are ordered head-major (each head owns ``conv_dim / num_heads``
@@ -72,12 +73,21 @@ class KVSpec:
     """Element type of K and V."""
     mla: bool = False
     """Head-less latent KV (MLA): replicated over tp instead of sharded by head."""
+    values: bool = True
+    """False: keys only, no V tensor (an MLA latent: one ``[tokens, 1, head_dim]`` tensor
+    per layer, e.g. ``head_dim = kv_lora_rank + qk_rope_head_dim``). No V is allocated,
+    copied or stored; the ``kv`` region's part dim has size 1 instead of 2."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
         _check_layers("KVSpec", self.layer_ids)
         _check_positive("KVSpec", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         _check_dtype("KVSpec", "dtype", self.dtype)
+
+    @property
+    def num_parts(self) -> int:
+        """Tensors per layer and token: 2 (K and V) or 1 (keys only)."""
+        return 2 if self.values else 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

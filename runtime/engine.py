@@ -11,10 +11,12 @@ every rank (the caller agrees on it, e.g. by a broadcast from rank 0).
 Paging: the model keeps a request's state contiguous (``SeqState``); the engine moves
 it between the cache's device pools and that state. A page of layer L in the device
 pool is ``[page_size_local, kv_heads_local, head_dim]``; with ``cp_kv="shard"`` cp rank
-c keeps in-page offsets ``[c * page_size_local, (c + 1) * page_size_local)``.
+c keeps in-page offsets ``[c * page_size_local, (c + 1) * page_size_local)``. An MLA
+layer's latent ``[t, D]`` is the keys-only KV of one head (``KVSpec.values=False``) and
+its indexer keys ``[t, E]`` the ``indexer`` pages of that layer; both page like K.
 
 Mamba checkpoints: the state is written to a device slot at the last page boundary of
-the prompt, at the point where the prompt branched off a cached KV path that had no
+the prompt (only when decoding will not reach a page boundary), at the point where the prompt branched off a cached KV path that had no
 state there (so the next request with that prefix gets a hit), and at the last page
 boundary reached while decoding (for the next turn of a chat).
 """
@@ -215,12 +217,17 @@ class Engine:
             pass  # Longer than L1 can hold (agreed on every rank): serve it uncached.
         # Checkpoints inside the prompt: where it branched off a stateless KV path, and the
         # last page boundary. Prefill is split there so the state can be captured.
+        # Admission (docs/DESIGN.md section 11): the prompt-end ones only when decode will
+        # not reach a page boundary (with a hook it may stop early: keep them).
+        n_prompt = len(prompt)
+        decode_cp = on_token is None and (n_prompt + num_new - 1) // ps > n_prompt // ps
         stops = set()
         if cache.spec.has_mamba:
             if prefix < hit.raw_kv_tokens < len(prompt):
                 stops.add(hit.raw_kv_tokens)
-            # Strictly inside the prompt: a repeat of this prompt matches one token short.
-            stops.add((len(prompt) - 1) // ps * ps)
+            if not decode_cp:
+                # Strictly inside the prompt: a repeat of this prompt matches one token short.
+                stops.add((len(prompt) - 1) // ps * ps)
         stops = {s for s in stops if prefix < s <= len(prompt)} | {len(prompt)}
         checkpoints: list[_Checkpoint] = []
         pos = prefix
@@ -228,7 +235,8 @@ class Engine:
         for stop in sorted(stops):
             logits = model.prefill(tokens[pos:stop], state)
             pos = stop
-            if stop % ps == 0 and cache.spec.has_mamba and pages is not None:
+            end_cp = decode_cp and stop == n_prompt
+            if stop % ps == 0 and cache.spec.has_mamba and pages is not None and not end_cp:
                 checkpoint = self._checkpoint(req, state)
                 if checkpoint is not None:
                     checkpoints.append(checkpoint)
@@ -255,7 +263,14 @@ class Engine:
         pages = torch.tensor(req.prefix_pages[: n // model.page_size], dtype=torch.long)
         for layer in model.local_layers:
             req.wait_layer(layer)
-            if layer in state.k:
+            if layer in state.latent:
+                # The latent is the keys-only KV of one head-less "head": [pages, T, 1, D].
+                dim = state.latent[layer].shape[1]
+                state.latent[layer] = pools.k(layer)[pages].reshape(-1, dim).clone()
+                if layer in state.index_k:
+                    e = state.index_k[layer].shape[1]
+                    state.index_k[layer] = pools.indexer(layer)[pages].reshape(-1, e).clone()
+            elif layer in state.k:
                 heads, dim = state.k[layer].shape[1:]
                 state.k[layer] = pools.k(layer)[pages].reshape(-1, heads, dim).clone()
                 state.v[layer] = pools.v(layer)[pages].reshape(-1, heads, dim).clone()
@@ -284,7 +299,8 @@ class Engine:
             pools.ssm(layer)[slot] = state.ssm[layer]
 
     def _write_kv(self, state: SeqState, pages: list[int], start: int, end: int) -> None:
-        """Copy the K/V of positions ``[start, end)`` from ``state`` into their pages."""
+        """Copy the K/V (MLA: latent and indexer keys) of positions ``[start, end)`` from
+        ``state`` into their pages (this cp rank's rows of them under ``cp_kv="shard"``)."""
         assert self.cache is not None
         model, pools, ps = self.model, self.cache.device, self.model.page_size
         cp = model.comms.cp
@@ -302,6 +318,10 @@ class Engine:
         for layer in state.k:
             pools.k(layer)[page_ids, in_page] = state.k[layer][local]
             pools.v(layer)[page_ids, in_page] = state.v[layer][local]
+        for layer, latent in state.latent.items():
+            pools.k(layer)[page_ids, in_page] = latent[local].unsqueeze(1)
+        for layer, keys in state.index_k.items():
+            pools.indexer(layer)[page_ids, in_page] = keys[local]
 
     # -- decode -----------------------------------------------------------------------------
 

@@ -4,50 +4,73 @@ Per attention layer ``k(layer_id)`` and ``v(layer_id)`` are ``[num_pages, T, H, 
 ``indexer(layer_id)`` is ``[num_pages, T, E]`` (T = tokens of a page held by this rank:
 ``page_size / cp`` under ``cp_kv="shard"``, else ``page_size``; H = this rank's KV heads).
 Per SSM layer ``conv(layer_id)`` is ``[num_slots, C, K]`` and ``ssm(layer_id)`` is
-``[num_slots, H_ssm, D_ssm, N]``. Each family lives in one buffer with the layer as the
-outermost dim, so every per-layer tensor is contiguous. Page and slot indices come from
-``page_allocator`` and ``slot_allocator``; the pools never allocate by themselves.
+``[num_slots, H_ssm, D_ssm, N]``. Page and slot indices come from ``page_allocator`` and
+``slot_allocator``; the pools never allocate by themselves.
+
+Two layouts, same accessors:
+
+- fixed pools (``num_pages``/``num_slots``): each family lives in one buffer with the
+  layer as the outermost dim, so every per-layer tensor is contiguous;
+- one arena (``arena=ArenaPlan``, docs/DESIGN.md section 7): one buffer of blocks, page-
+  and slot-first like the host pool (a page of all layers is one run of blocks); the
+  per-layer tensors are strided views (row stride = one block), ``num_pages``/``num_slots``
+  are the id spaces of :mod:`mesh_hicache.pools.arena` and both allocators are views of
+  one ``BlockArena``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mesh_hicache.layout import StateLayout
+from mesh_hicache.layout import RegionName, StateLayout
 from mesh_hicache.pools.allocator import PageAllocator
+from mesh_hicache.pools.arena import ArenaIds, ArenaPlan, BlockArena
 from mesh_hicache.spec import Family
 
 
 class DevicePools:
     """This rank's L1 state tensors (zero-initialised) plus their allocators.
 
-    ``num_pages`` (KV and indexer) and ``num_slots`` (Mamba) must be equal on every rank.
-    Accessors raise ``ValueError`` for a layer this rank does not hold in that family.
+    ``num_pages`` (KV and indexer) and ``num_slots`` (Mamba), or the ``arena`` plan, must
+    be equal on every rank. Accessors raise ``ValueError`` for a layer this rank does not
+    hold in that family. ``arena`` excludes ``num_pages``/``num_slots``.
     """
 
     def __init__(
         self,
         layout: StateLayout,
         *,
-        num_pages: int,
+        num_pages: int = 0,
         num_slots: int = 0,
         device: torch.device | str = "cpu",
+        arena: ArenaPlan | None = None,
     ) -> None:
         if num_pages < 0 or num_slots < 0:
             raise ValueError(f"num_pages={num_pages}, num_slots={num_slots} must be >= 0")
         spec = layout.spec
         self.layout = layout
         self.device = torch.device(device)
+        self.arena: BlockArena | None = None
+        self.page_allocator: PageAllocator | ArenaIds
+        self.slot_allocator: PageAllocator | ArenaIds
+        self._index: dict[Family, dict[int, int]] = {}
+        self._kv = self._indexer = self._conv = self._ssm = torch.empty(0)
+        if arena is not None:
+            if num_pages or num_slots:
+                raise ValueError(
+                    f"an arena excludes num_pages={num_pages} and num_slots={num_slots}"
+                )
+            self._init_arena(arena)
+            return
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.page_allocator = PageAllocator(num_pages)
         self.slot_allocator = PageAllocator(num_slots)
         t = layout.page_size_local
-        self._index: dict[Family, dict[int, int]] = {}
-        self._kv = self._indexer = self._conv = self._ssm = torch.empty(0)
         if spec.kv is not None:
             ids = self._register(Family.KV, layout)
-            shape = (len(ids), 2, num_pages, t, layout.local_kv_heads, spec.kv.head_dim)
+            parts = spec.kv.num_parts  # 1: keys only (MLA latent), no V allocated
+            shape = (len(ids), parts, num_pages, t, layout.local_kv_heads, spec.kv.head_dim)
             self._kv = torch.zeros(shape, dtype=spec.kv.dtype, device=self.device)
         if spec.indexer is not None:
             ids = self._register(Family.INDEXER, layout)
@@ -60,6 +83,27 @@ class DevicePools:
             ssm = (len(ids), num_slots, layout.local_ssm_heads, m.head_dim, m.state_dim)
             self._conv = torch.zeros(conv, dtype=m.conv_dtype, device=self.device)
             self._ssm = torch.zeros(ssm, dtype=m.ssm_dtype, device=self.device)
+
+    def _init_arena(self, plan: ArenaPlan) -> None:
+        layout = self.layout
+        self.arena = BlockArena(plan)
+        self.page_allocator, self.slot_allocator = self.arena.pages, self.arena.slots
+        self.num_pages, self.num_slots = plan.num_ids(True), plan.num_ids(False)
+        buffer = torch.zeros(plan.nbytes, dtype=torch.uint8, device=self.device)
+        views: dict[RegionName, torch.Tensor] = {}
+        for region in layout.regions:
+            view = plan.region_view(buffer, layout, region)  # [N, L, ...]
+            # Like the fixed pools: [L, 2, N, T, H, D] for kv, [L, N, ...] otherwise.
+            views[region.name] = view.movedim(0, 2 if region.name is RegionName.KV else 1)
+            self._index.setdefault(
+                region.family, {layer: i for i, layer in enumerate(region.local_layer_ids)}
+            )
+        empty = torch.empty(0, device=self.device)
+        self._kv = views.get(RegionName.KV, empty)
+        self._indexer = views.get(RegionName.INDEXER, empty)
+        self._conv = views.get(RegionName.MAMBA_CONV, empty)
+        self._ssm = views.get(RegionName.MAMBA_SSM, empty)
+        self._buffer = buffer
 
     def _register(self, family: Family, layout: StateLayout) -> tuple[int, ...]:
         ids = layout.family_layers(family)
@@ -84,8 +128,12 @@ class DevicePools:
         return self._kv[self._row(Family.KV, layer_id), 0]
 
     def v(self, layer_id: int) -> torch.Tensor:
-        """V pages of ``layer_id``: ``[num_pages, T, H, D]``."""
-        return self._kv[self._row(Family.KV, layer_id), 1]
+        """V pages of ``layer_id``: ``[num_pages, T, H, D]``; ``ValueError`` for a keys-only
+        spec (``KVSpec.values=False``)."""
+        row = self._row(Family.KV, layer_id)
+        if self._kv.shape[1] < 2:
+            raise ValueError(f"layer {layer_id} has no V: the KV spec is keys only (values=False)")
+        return self._kv[row, 1]
 
     def indexer(self, layer_id: int) -> torch.Tensor:
         """Indexer keys of ``layer_id``: ``[num_pages, T, E]``."""
@@ -100,7 +148,19 @@ class DevicePools:
         return self._ssm[self._row(Family.MAMBA, layer_id)]
 
     @property
+    def max_pages(self) -> int:
+        """Pages an empty pool holds (with no slots, for an arena)."""
+        return self.arena.plan.max_pages if self.arena is not None else self.num_pages
+
+    @property
+    def max_slots(self) -> int:
+        """Slots an empty pool holds (with no pages, for an arena)."""
+        return self.arena.plan.max_slots if self.arena is not None else self.num_slots
+
+    @property
     def nbytes(self) -> int:
+        if self.arena is not None:
+            return self.arena.plan.nbytes
         bufs = (self._kv, self._indexer, self._conv, self._ssm)
         return sum(b.numel() * b.element_size() for b in bufs)
 

@@ -1,8 +1,8 @@
 """L2 host pools: one page-first tensor per region, exposed as DTensors over the mesh.
 
 Layout: each region is ``[num_pages_or_slots, *row]`` with the row shapes of
-:mod:`mesh_hicache.layout` (``kv``: ``[L, 2, T, H, D]``; ``indexer``: ``[L, T, E]``;
-``mamba_conv``: ``[L, C, K]``; ``mamba_ssm``: ``[L, H, D, N]``).
+:mod:`mesh_hicache.layout` (``kv``: ``[L, 2, T, H, D]``, or ``[L, 1, T, H, D]`` keys only;
+``indexer``: ``[L, T, E]``; ``mamba_conv``: ``[L, C, K]``; ``mamba_ssm``: ``[L, H, D, N]``).
 
 Why page-first (page index outermost) rather than layer-first like the device pool: one
 page (or slot) of all this rank's layers is then ONE contiguous run of memory. Storage
@@ -20,6 +20,12 @@ would overwrite other ranks' buffers.
 
 Page and slot counts must be equal on every rank of the mesh (host indices are agreed
 decisions); :meth:`HostPools.from_bytes` agrees on them with ``Consensus.min``.
+
+With ``arena=ArenaPlan`` (a byte budget, docs/DESIGN.md section 7) the regions are strided
+views over ONE buffer of blocks (:mod:`mesh_hicache.pools.arena`): a row is still one
+contiguous run of ``row_bytes`` (storage reads and writes it in place), consecutive rows
+are one block apart, and the DTensor of a region wraps that view (still zero-copy).
+``buffers()`` lists the contiguous allocations to register with a zero-copy backend.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import RegionLayout, RegionName, StateLayout
 from mesh_hicache.pools.allocator import PageAllocator
+from mesh_hicache.pools.arena import ArenaIds, ArenaPlan, BlockArena
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.topology import MeshTopology
 
@@ -83,20 +90,31 @@ class HostPools:
         self,
         layout: StateLayout,
         *,
-        num_pages: int,
+        num_pages: int = 0,
         num_slots: int = 0,
         topology: MeshTopology | None = None,
         pinned: bool | None = None,
+        arena: ArenaPlan | None = None,
     ) -> None:
         if num_pages < 0 or num_slots < 0:
             raise ValueError(f"num_pages={num_pages}, num_slots={num_slots} must be >= 0")
+        if arena is not None and (num_pages or num_slots):
+            raise ValueError(f"an arena excludes num_pages={num_pages} and num_slots={num_slots}")
         self.layout = layout
         self.topology = topology
+        self.pinned = cupy_cuda_available() if pinned is None else pinned
+        self.arena = BlockArena(arena) if arena is not None else None
+        self.page_allocator: PageAllocator | ArenaIds
+        self.slot_allocator: PageAllocator | ArenaIds
+        if self.arena is not None:
+            assert arena is not None
+            num_pages, num_slots = arena.num_ids(True), arena.num_ids(False)
+            self.page_allocator, self.slot_allocator = self.arena.pages, self.arena.slots
+        else:
+            self.page_allocator = PageAllocator(num_pages)
+            self.slot_allocator = PageAllocator(num_slots)
         self.num_pages = num_pages
         self.num_slots = num_slots
-        self.pinned = cupy_cuda_available() if pinned is None else pinned
-        self.page_allocator = PageAllocator(num_pages)
-        self.slot_allocator = PageAllocator(num_slots)
         self._host_mesh: DeviceMesh | None = None
         if topology is not None:
             mesh = topology.mesh
@@ -106,12 +124,21 @@ class HostPools:
                 self._host_mesh = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
         self._tensors: dict[RegionName, torch.Tensor] = {}
         self._owners: list[Any] = []
+        self._buffers: list[torch.Tensor] = []
+        if arena is not None:
+            raw, owner = alloc_host_buffer(arena.nbytes, self.pinned)
+            self._owners.append(owner)
+            self._buffers.append(raw)
+            for region in layout.regions:
+                self._tensors[region.name] = arena.region_view(raw, layout, region)
+            return
         for region in layout.regions:
             count = num_pages if region.paged else num_slots
             raw, owner = alloc_host_buffer(count * region.row_bytes, self.pinned)
             self._owners.append(owner)
             local = raw.view(region.dtype).view(count, *region.local_shape)
             self._tensors[region.name] = local
+            self._buffers.append(local)
 
     # -- sizing -----------------------------------------------------------------------------
 
@@ -203,9 +230,24 @@ class HostPools:
         """The CPU mesh of the DTensors (None without a topology)."""
         return self._host_mesh
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The contiguous CPU allocations behind the regions (one per region, or the one
+        arena buffer): what a zero-copy storage backend registers."""
+        return tuple(self._buffers)
+
+    @property
+    def max_pages(self) -> int:
+        """Pages an empty pool holds (with no slots, for an arena)."""
+        return self.arena.plan.max_pages if self.arena is not None else self.num_pages
+
+    @property
+    def max_slots(self) -> int:
+        """Slots an empty pool holds (with no pages, for an arena)."""
+        return self.arena.plan.max_slots if self.arena is not None else self.num_slots
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+        return sum(t.numel() * t.element_size() for t in self._buffers)
 
     def __repr__(self) -> str:
         return (

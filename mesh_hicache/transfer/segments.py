@@ -98,7 +98,8 @@ def build_segments(
         if spec.layer_family(layer) is Family.KV:
             kv = host.local(RegionName.KV)[:, host.region(RegionName.KV).layer_row(layer)]
             out.append(_segment(pos, "k", True, dev.k(layer), kv[:, 0]))
-            out.append(_segment(pos, "v", True, dev.v(layer), kv[:, 1]))
+            if spec.kv is not None and spec.kv.values:  # keys-only (MLA latent): no V
+                out.append(_segment(pos, "v", True, dev.v(layer), kv[:, 1]))
             if layer in indexer_layers:
                 row = host.region(RegionName.INDEXER).layer_row(layer)
                 idx = host.local(RegionName.INDEXER)[:, row]

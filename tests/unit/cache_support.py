@@ -20,7 +20,7 @@ from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit, ten
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.layout import RegionName
 from mesh_hicache.radix import RadixKey
-from mesh_hicache.spec import Family, KVSpec, MambaSpec, StateSpec
+from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
 from mesh_hicache.storage.base import StorageBackend
 from mesh_hicache.storage.keys import KeyNamespace
 from mesh_hicache.testing import internals
@@ -38,6 +38,24 @@ def make_spec(model_id: str = "test/sasa", kv_dtype: torch.dtype = torch.float32
         mamba=MambaSpec(
             layer_ids=(0, 2), conv_dim=4, conv_kernel=3, num_heads=2, head_dim=2, state_dim=2
         ),
+        model_id=model_id,
+    )
+
+
+def make_mla_spec(*, recurrent: bool = False, model_id: str = "test/mla") -> StateSpec:
+    """4 layers of MLA latent KV (keys only, replicated over tp) each with indexer keys;
+    ``recurrent``: layers 0 and 2 are Mamba instead (tp-sharded), MLA + indexer on 1 and 3."""
+    mla = (1, 3) if recurrent else (0, 1, 2, 3)
+    mamba = None
+    if recurrent:
+        mamba = MambaSpec(
+            layer_ids=(0, 2), conv_dim=4, conv_kernel=3, num_heads=2, head_dim=2, state_dim=2
+        )
+    return StateSpec(
+        page_size=PS,
+        kv=KVSpec(layer_ids=mla, num_kv_heads=1, head_dim=3, mla=True, values=False),
+        indexer=IndexerSpec(layer_ids=mla, key_dim=2, dtype=torch.float16),
+        mamba=mamba,
         model_id=model_id,
     )
 
@@ -68,14 +86,26 @@ def _gen(tag: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return torch.randint(-500, 500, shape, generator=g).to(dtype)
 
 
-def expected_kv(cache: HiCache, page_hash: bytes, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's K and V of one page: ``[T_local, H_local, D]`` each."""
+def expected_kv(
+    cache: HiCache, page_hash: bytes, layer: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's K and V of one page: ``[T_local, H_local, D]`` each (V None: keys only)."""
     kv = cache.spec.kv
     assert kv is not None
-    full = _gen(page_hash + b"kv%d" % layer, (2, PS, kv.num_kv_heads, kv.head_dim), kv.dtype)
+    shape = (kv.num_parts, PS, kv.num_kv_heads, kv.head_dim)
+    full = _gen(page_hash + b"kv%d" % layer, shape, kv.dtype)
     sl = internals(cache).layout.region(RegionName.KV).global_slice
     part = full[:, sl.tokens[0] : sl.tokens[1], sl.heads[0] : sl.heads[1]]
-    return part[0], part[1]
+    return part[0], part[1] if kv.values else None
+
+
+def expected_indexer(cache: HiCache, page_hash: bytes, layer: int) -> torch.Tensor:
+    """This rank's indexer keys of one page: ``[T_local, E]``."""
+    ix = cache.spec.indexer
+    assert ix is not None
+    full = _gen(page_hash + b"ix%d" % layer, (PS, ix.key_dim), ix.dtype)
+    t0, t1 = internals(cache).layout.region(RegionName.INDEXER).global_slice.tokens
+    return full[t0:t1]
 
 
 def expected_state(
@@ -96,13 +126,17 @@ def hashes_of(tokens: list[int], namespace: str = "") -> list[bytes]:
 
 
 def write_pages(cache: HiCache, hashes: list[bytes], pages: list[int]) -> None:
-    """Write the expected K/V of each page ``hashes[i]`` into device page ``pages[i]``."""
+    """Write the expected K/V (and indexer keys) of each page ``hashes[i]`` into device
+    page ``pages[i]``."""
     dev = cache.device
     for h, p in zip(hashes, pages, strict=True):
         for layer in dev.layers(Family.KV):
             k, v = expected_kv(cache, h, layer)
             dev.k(layer)[p] = k
-            dev.v(layer)[p] = v
+            if v is not None:
+                dev.v(layer)[p] = v
+        for layer in dev.layers(Family.INDEXER):
+            dev.indexer(layer)[p] = expected_indexer(cache, h, layer)
 
 
 def write_state(cache: HiCache, last_hash: bytes, slot: int) -> None:
@@ -123,7 +157,10 @@ def count_mismatches(cache: HiCache, req: CachedRequest, hashes: list[bytes]) ->
         for layer in dev.layers(Family.KV):
             k, v = expected_kv(cache, hashes[i], layer)
             bad += not torch.equal(dev.k(layer)[page], k)
-            bad += not torch.equal(dev.v(layer)[page], v)
+            bad += v is not None and not torch.equal(dev.v(layer)[page], v)
+        for layer in dev.layers(Family.INDEXER):
+            got = dev.indexer(layer)[page]
+            bad += not torch.equal(got, expected_indexer(cache, hashes[i], layer))
     if n and cache.spec.has_mamba:
         if req.mamba_slot is None:
             return bad + 1
@@ -141,7 +178,10 @@ def poison_free_device(cache: HiCache) -> None:
     slots = [i for i in range(dev.num_slots) if dev.slot_allocator.is_free(i)]
     for layer in dev.layers(Family.KV):
         dev.k(layer)[pages] = float("nan")
-        dev.v(layer)[pages] = float("nan")
+        if cache.spec.kv is not None and cache.spec.kv.values:
+            dev.v(layer)[pages] = float("nan")
+    for layer in dev.layers(Family.INDEXER):
+        dev.indexer(layer)[pages] = float("nan")
     for layer in dev.layers(Family.MAMBA):
         dev.conv(layer)[slots] = float("nan")
         dev.ssm(layer)[slots] = float("nan")
@@ -177,7 +217,7 @@ def serve(
 
     ``tokens``: whole pages. ``tenant``: the request's tenant (None: the cache's).
     ``checkpoints``: page counts at which a Mamba state is
-    inserted (default: only the end). ``abort``: release right after ``match``, after
+    inserted (default: only the end; without Mamba: page counts inserted). ``abort``: release right after ``match``, after
     ``load`` (no ``finish_load``) or after ``alloc_pages`` (nothing inserted).
     Never raises on a mismatch (that would hang peer ranks): it is counted instead.
     """
@@ -203,6 +243,9 @@ def serve(
                 return Served(req.hit, prefix, req.served, bad)
             for b in checkpoints or (n,):
                 if b <= done:
+                    continue
+                if not cache.spec.has_mamba:  # no state: the pages alone are the hit
+                    cache.insert(req, tokens[: b * PS], pages[:b])
                     continue
                 slot = cache.alloc_slot(req)
                 write_state(cache, hashes[b - 1], slot)
