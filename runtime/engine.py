@@ -16,9 +16,10 @@ layer's latent ``[t, D]`` is the keys-only KV of one head (``KVSpec.values=False
 its indexer keys ``[t, E]`` the ``indexer`` pages of that layer; both page like K.
 
 Mamba checkpoints: the state is written to a device slot at the last page boundary of
-the prompt (only when decoding will not reach a page boundary), at the point where the prompt branched off a cached KV path that had no
-state there (so the next request with that prefix gets a hit), and at the last page
-boundary reached while decoding (for the next turn of a chat).
+the prompt (only when decoding will not reach a page boundary), at the point where the
+prompt branched off a cached KV path that had no state there (so the next request with
+that prefix gets a hit), and at the last page boundary reached while decoding (for the
+next turn of a chat).
 """
 
 from __future__ import annotations

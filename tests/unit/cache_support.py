@@ -216,9 +216,10 @@ def serve(
     """match -> load -> finish_load -> alloc -> write -> insert (per checkpoint) -> release.
 
     ``tokens``: whole pages. ``tenant``: the request's tenant (None: the cache's).
-    ``checkpoints``: page counts at which a Mamba state is
-    inserted (default: only the end; without Mamba: page counts inserted). ``abort``: release right after ``match``, after
-    ``load`` (no ``finish_load``) or after ``alloc_pages`` (nothing inserted).
+    ``checkpoints``: page counts at which a Mamba state is inserted (default: only the
+    end; without Mamba: the page counts inserted). ``abort``: release right after
+    ``match``, after ``load`` (no ``finish_load``) or after ``alloc_pages`` (nothing
+    inserted).
     Never raises on a mismatch (that would hang peer ranks): it is counted instead.
     """
     assert len(tokens) % PS == 0 and abort in ABORTS

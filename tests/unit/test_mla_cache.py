@@ -23,7 +23,6 @@ from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.layout import RegionName, StateLayout, all_layouts
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.spec import Family, KVSpec, StateSpec
-from mesh_hicache.testing import internals
 from runtime.engine import Engine
 from runtime.model.parallel import MeshComms
 from runtime.model.state import SeqState
