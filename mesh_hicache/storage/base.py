@@ -53,7 +53,9 @@ class StorageStats:
     get_hits: int = 0
     """Objects read and verified into their destination."""
     get_bytes: int = 0
-    """Payload bytes of the hits."""
+    """Payload bytes of the hits (for ranged reads: the chunks actually read)."""
+    range_gets: int = 0
+    """Objects among ``gets`` asked through ``get_ranges`` (a byte-range read)."""
     get_misses: int = 0
     """Objects not returned: absent, corrupt, or skipped while degraded."""
     corrupt: int = 0
@@ -154,6 +156,22 @@ class StorageBackend(abc.ABC):
         object) the flag is False and the content of ``dst[i]`` is unspecified. Never
         raises for a miss; may raise on transport failure.
         """
+
+    def get_ranges(
+        self,
+        keys: Sequence[StorageKey],
+        dst: Sequence[torch.Tensor],
+        ranges: Sequence[Sequence[tuple[int, int]]],
+    ) -> list[bool]:
+        """Like ``get``, but only the payload byte ranges ``ranges[i]`` (``(offset,
+        length)`` pairs) of object ``i`` must arrive, at the same offsets of ``dst[i]``
+        (whose ``nbytes`` is still the whole payload's; bytes outside the ranges are
+        unspecified). Every returned byte is verified as in ``get``. Backends whose
+        objects carry a chunk table read only the chunks holding the ranges; the
+        default reads whole objects.
+        """
+        del ranges
+        return self.get(keys, dst)
 
     @abc.abstractmethod
     def put(self, keys: Sequence[StorageKey], src: Sequence[torch.Tensor]) -> list[bool]:

@@ -1,7 +1,10 @@
 """The ``file`` backend: one file per object under a root directory (the embedded default).
 
 Layout: ``<root>/<key string>`` (``v1/<ns digest>/<region>/<page hash>/<slice tag>``),
-each file a 64-byte header (``keys.py``) followed by the payload.
+each file an object of format version 2 (``objects.py``): a 64-byte header, the payload,
+then its chunk table, so that ``get_ranges`` reads and verifies only the chunks holding
+the asked byte ranges (``pread`` at offsets on the open descriptor, ``file_read.py``).
+Chunks are whole last-dim vectors of the row written (``objects.chunk_bytes_for``).
 
 - Writes are atomic: a temp file (``.tmp-*``, never a valid key name) in the target
   directory, then a rename. Readers see a whole object or none. A crashed writer leaves
@@ -16,12 +19,8 @@ each file a 64-byte header (``keys.py``) followed by the payload.
 - Several processes may share a root (different ranks write different keys; the same
   key written twice holds the same bytes, and the last rename wins).
 - A read-only or full store drops writes (one warning per reason) and keeps serving reads.
-- Size cap (``max_bytes``, header bytes included): LRU by access time. Every hit and
-  every ``put`` of a present object stamps the file's atime (mtime stays the write
-  time), so all processes share one recency order. A process rescans the tree when its
-  own estimate passes the cap or after writing ``max_bytes / 8`` since its last scan,
-  then evicts the least recently used objects down to ``low_watermark * max_bytes``.
-  With several writers the cap is therefore approximate (bounded overshoot).
+- Size cap (``max_bytes``, header and table bytes included): LRU by access time shared
+  by every process on the root (``file_cap.py``).
 """
 
 from __future__ import annotations
@@ -39,12 +38,15 @@ from typing import BinaryIO
 import torch
 
 from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
-from mesh_hicache.storage.file_tree import evict_oldest, scan_tree, temp_names
-from mesh_hicache.storage.keys import (
+from mesh_hicache.storage.file_cap import RecencyCap
+from mesh_hicache.storage.file_read import read_ranges, read_whole
+from mesh_hicache.storage.file_tree import scan_tree, temp_names
+from mesh_hicache.storage.keys import StorageKey, check_key_str
+from mesh_hicache.storage.objects import (
     HEADER_SIZE,
     ObjectError,
-    StorageKey,
-    check_key_str,
+    chunk_bytes_for,
+    table_size,
     tensor_bytes,
 )
 from mesh_hicache.storage.safe_dir import (
@@ -70,6 +72,10 @@ _DROP_ERRNOS = {
 def _clock_ns() -> int:
     """Wall-clock ns for recency stamps (shared by processes); tests replace it."""
     return time.time_ns()
+
+
+def _now_ns() -> int:
+    return _clock_ns()  # looked up at call time, so a replaced _clock_ns takes effect
 
 
 def _write_payload(f: BinaryIO, payload: memoryview) -> None:
@@ -120,13 +126,8 @@ class FileStorage(StorageBackend):
         self._root = Path(root).resolve()
         self._max_bytes = max_bytes
         self._fsync = fsync
-        self._low_watermark = low_watermark
-        self._stale_tmp_ns = int(stale_tmp_s * 1e9)
-        self._lock = threading.Lock()  # guards the accounting, the stamp clock, the root fd
-        self._scan_lock = threading.Lock()  # one rescan/eviction at a time
-        self._last_stamp_ns = 0
-        self._scanned_bytes = 0
-        self._written_since_scan = 0
+        self._cap = RecencyCap(max_bytes, low_watermark, int(stale_tmp_s * 1e9), _now_ns)
+        self._lock = threading.Lock()  # guards the root fd, the temp names, the warnings
         self._warned_drops: set[str] = set()
         self._retired_fds: list[int] = []  # old root fds: other threads may still use them
         self._root_fd = -1
@@ -135,7 +136,7 @@ class FileStorage(StorageBackend):
         if max_bytes is not None:
             self._enforce_cap(force=True)
         else:
-            self._scan()  # removes stale temp files
+            scan_tree(self._root_fd, int(stale_tmp_s * 1e9))  # removes stale temp files
 
     @property
     def root(self) -> Path:
@@ -170,8 +171,24 @@ class FileStorage(StorageBackend):
     def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
         check_batch(keys, dst, "FileStorage.get")
         with self._dirs() as dirs:
-            hits = [self._get_one(dirs, key, out) for key, out in zip(keys, dst, strict=True)]
+            hits = [self._get_one(dirs, key, out, None) for key, out in zip(keys, dst, strict=True)]
         self._count(gets=len(hits))
+        return hits
+
+    def get_ranges(
+        self,
+        keys: Sequence[StorageKey],
+        dst: Sequence[torch.Tensor],
+        ranges: Sequence[Sequence[tuple[int, int]]],
+    ) -> list[bool]:
+        check_batch(keys, dst, "FileStorage.get_ranges")
+        assert len(ranges) == len(keys), (len(ranges), len(keys))
+        with self._dirs() as dirs:
+            hits = [
+                self._get_one(dirs, key, out, want)
+                for key, out, want in zip(keys, dst, ranges, strict=True)
+            ]
+        self._count(gets=len(hits), range_gets=len(hits))
         return hits
 
     def put(self, keys: Sequence[StorageKey], src: Sequence[torch.Tensor]) -> list[bool]:
@@ -204,7 +221,14 @@ class FileStorage(StorageBackend):
 
     # -- one object ------------------------------------------------------------------------
 
-    def _get_one(self, dirs: DirCache, key: StorageKey, dst: torch.Tensor) -> bool:
+    def _get_one(
+        self,
+        dirs: DirCache,
+        key: StorageKey,
+        dst: torch.Tensor,
+        ranges: Sequence[tuple[int, int]] | None,
+    ) -> bool:
+        """Read one object (``ranges`` None: whole) into ``dst``; False on a miss."""
         key_str = check_key_str(key.to_str())
         view = tensor_bytes(dst)
         dir_parts, name = _split(key_str)
@@ -230,33 +254,29 @@ class FileStorage(StorageBackend):
         except UnsafeEntry as bad:
             self._record_unsafe(bad.kind, bad.where, miss=True)
             return False
-        with open(fd, "rb") as f:
-            try:
-                header = self.codec.decode_header(key_str, f.read(HEADER_SIZE))
-                if header.nbytes != view.nbytes:
-                    raise ObjectError(
-                        "length", f"object holds {header.nbytes} bytes, destination {view.nbytes}"
-                    )
-                got = _read_into(f, view)
-                if got != header.nbytes:
-                    raise ObjectError(
-                        "short", f"payload of {got} bytes, header says {header.nbytes}"
-                    )
-                if f.read(1):
-                    raise ObjectError("length", "trailing bytes after the payload")
-                self.codec.check_payload(header, view)
-            except ObjectError as err:
-                self._record_corrupt(err.kind, key_str, str(err))
-                self._remove_bad(d, name, st)
-                return False
-            self._touch(fd, None, st.st_mtime_ns)
-        self._count(get_hits=1, get_bytes=view.nbytes)
+        try:
+            if ranges is None:
+                got = read_whole(fd, st.st_size, self.codec, key_str, view)
+            else:
+                got = read_ranges(fd, st.st_size, self.codec, key_str, view, ranges)
+        except ObjectError as err:
+            os.close(fd)
+            self._record_corrupt(err.kind, key_str, str(err))
+            self._remove_bad(d, name, st)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._cap.touch(fd, None, st.st_mtime_ns)
+        os.close(fd)
+        self._count(get_hits=1, get_bytes=got)
         return True
 
     def _put_one(self, dirs: DirCache, key: StorageKey, src: torch.Tensor) -> bool:
         key_str = check_key_str(key.to_str())
         view = tensor_bytes(src)
-        size = HEADER_SIZE + view.nbytes
+        chunk = chunk_bytes_for(src.shape, src.element_size())
+        size = HEADER_SIZE + view.nbytes + table_size(view.nbytes, chunk, self.codec.keyed)
         if self._max_bytes is not None and size > self._max_bytes:
             self._drop("too large", f"object of {size} bytes exceeds max_bytes={self._max_bytes}")
             return False
@@ -272,10 +292,12 @@ class FileStorage(StorageBackend):
             else:
                 if not stat.S_ISREG(st.st_mode):
                     raise UnsafeEntry(entry_kind(st.st_mode), where)
-                self._touch(d, name, st.st_mtime_ns)
+                self._cap.touch(d, name, st.st_mtime_ns)
                 self._count(already_present=1)
                 return True
-            self._write_atomic(dirs, dir_parts, name, self.codec.encode_header(key_str, view), view)
+            header = self.codec.encode_header(key_str, view, chunked=True)
+            table = self.codec.encode_table(key_str, view, chunk)
+            self._write_atomic(dirs, dir_parts, name, header, view, table)
         except UnsafeEntry as bad:
             self._record_unsafe(bad.kind, bad.where, miss=False)
             self._count(dropped=1)
@@ -288,8 +310,7 @@ class FileStorage(StorageBackend):
             return False
         self._count(puts=1, put_bytes=view.nbytes)
         if self._max_bytes is not None:
-            with self._lock:
-                self._written_since_scan += size
+            self._cap.wrote(size)
             self._enforce_cap(force=False)
         return True
 
@@ -300,6 +321,7 @@ class FileStorage(StorageBackend):
         name: str,
         header: bytes,
         payload: memoryview,
+        table: bytes,
     ) -> None:
         with self._lock:  # a generator must not run in two threads at once
             tmp = next(self._tmp_names)
@@ -318,10 +340,11 @@ class FileStorage(StorageBackend):
             with open(fd, "wb") as f:
                 f.write(header)
                 _write_payload(f, payload)
+                f.write(table)
                 f.flush()
                 if self._fsync:
                     os.fsync(fd)
-                stamp = self._stamp()
+                stamp = self._cap.stamp()
                 os.utime(fd, ns=(stamp, stamp))
             os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
         except BaseException:
@@ -359,26 +382,6 @@ class FileStorage(StorageBackend):
 
     # -- recency, cleanup ------------------------------------------------------------------
 
-    def _stamp(self) -> int:
-        """A wall-clock ns stamp, strictly increasing within this process."""
-        with self._lock:
-            self._last_stamp_ns = max(_clock_ns(), self._last_stamp_ns + 1)
-            return self._last_stamp_ns
-
-    def _touch(self, fd: int, name: str | None, mtime_ns: int) -> None:
-        """Mark an object used (LRU): set its atime, keep its mtime. ``name`` None: ``fd``
-        is the object itself, else its directory."""
-        if self._max_bytes is None:
-            return
-        times = (self._stamp(), mtime_ns)
-        try:
-            if name is None:
-                os.utime(fd, ns=times)
-            else:
-                os.utime(name, ns=times, dir_fd=fd, follow_symlinks=False)
-        except OSError:
-            pass  # evicted by another process meanwhile, or not ours to stamp
-
     def _remove_bad(self, dir_fd: int, name: str, bad: os.stat_result) -> None:
         # Remove so that the next put can store a good copy (puts never rewrite), but only
         # the very file that failed: a good copy renamed in meanwhile stays.
@@ -404,45 +407,6 @@ class FileStorage(StorageBackend):
             )
 
     def _enforce_cap(self, *, force: bool) -> None:
-        cap = self._max_bytes
-        assert cap is not None
-        with self._lock:
-            estimate = self._scanned_bytes + self._written_since_scan
-            due = force or estimate > cap or self._written_since_scan * 8 > cap
-        if not due or not self._scan_lock.acquire(blocking=force):
-            return
-        try:
-            objects, total = self._scan()
-            if total > cap:
-                objects.sort()
-                total = self._evict(objects, total, int(cap * self._low_watermark))
-            with self._lock:
-                self._scanned_bytes = total
-                self._written_since_scan = 0
-        finally:
-            self._scan_lock.release()
-
-    def _evict(self, objects: list[tuple[int, str, int]], total: int, target: int) -> int:
-        """Remove the oldest of ``objects`` until ``total`` <= ``target``; the new total."""
-        with self._dirs() as dirs:
-            total, evicted = evict_oldest(dirs, objects, total, target)
-        self._count(evicted=evicted)
-        return total
-
-    def _scan(self) -> tuple[list[tuple[int, str, int]], int]:
-        """All objects as ``(atime_ns, relative path, size)`` and their total size; removes
-        stale temp files (``file_tree.scan_tree``)."""
         with self._lock:
             root_fd = self._root_fd
-        return scan_tree(root_fd, self._stale_tmp_ns)
-
-
-def _read_into(f: BinaryIO, view: memoryview) -> int:
-    """Fill ``view`` from ``f``; returns the bytes read (less than ``view.nbytes`` at EOF)."""
-    done = 0
-    while done < view.nbytes:
-        n = f.readinto(view[done:])  # type: ignore[attr-defined]
-        if not n:
-            break
-        done += n
-    return done
+        self._count(evicted=self._cap.enforce(root_fd, self._dirs, force=force))

@@ -110,6 +110,26 @@ class GuardedStorage(StorageBackend):
             self._count(gets=len(keys), get_misses=len(keys))
         return [bool(h) for h in hits]
 
+    def get_ranges(
+        self,
+        keys: Sequence[StorageKey],
+        dst: Sequence[torch.Tensor],
+        ranges: Sequence[Sequence[tuple[int, int]]],
+    ) -> list[bool]:
+        _check_io(keys, dst, "GuardedStorage.get_ranges")
+        if len(ranges) != len(keys):
+            raise ValueError(f"get_ranges: {len(keys)} keys but {len(ranges)} range lists")
+        if not keys:
+            return []
+        miss = [False] * len(keys)
+        hits, live = self._call(lambda b: b.get_ranges(keys, dst, ranges), miss, "get")
+        if live and not _is_flags(hits, len(keys)):
+            self._on_failure(ValueError(f"get_ranges() answered {hits!r}"), False)
+            hits, live = miss, False
+        if not live:
+            self._count(gets=len(keys), get_misses=len(keys))
+        return [bool(h) for h in hits]
+
     def put(self, keys: Sequence[StorageKey], src: Sequence[torch.Tensor]) -> list[bool]:
         _check_io(keys, src, "GuardedStorage.put")
         if not keys:

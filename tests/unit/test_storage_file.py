@@ -13,6 +13,7 @@ import mesh_hicache.storage.file as file_mod
 from mesh_hicache.layout import GlobalSlice
 from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey
 from mesh_hicache.storage.keys import HEADER_SIZE
+from mesh_hicache.storage.objects import chunk_bytes_for, table_size
 from tests.distributed.harness import run_on_mesh
 
 NS = KeyNamespace("org/model", "bfloat16", 1)
@@ -248,11 +249,17 @@ def test_present_object_is_not_rewritten(store):
     assert store.stats.puts == 1 and store.stats.already_present == 1
 
 
+def object_bytes(t: torch.Tensor) -> int:
+    """Bytes of the file of one stored row: header, payload and chunk table."""
+    chunk = chunk_bytes_for(t.shape, t.element_size())
+    return HEADER_SIZE + t.nbytes + table_size(t.nbytes, chunk, keyed=False)
+
+
 def test_size_cap_evicts_least_recently_used(tmp_path, monkeypatch):
     # Stamps far in the future, so the kernel's own atime updates on read (relatime)
     # cannot stand in for the backend's explicit recency stamps.
     monkeypatch.setattr(file_mod, "_clock_ns", lambda: 4 * 10**18)
-    obj = HEADER_SIZE + page(0).nbytes
+    obj = object_bytes(page(0))
     store = FileStorage(tmp_path / "l3", max_bytes=int(3.5 * obj))
     dst = torch.empty_like(page(0))
     store.put([key(0), key(1), key(2)], [page(0), page(1), page(2)])
@@ -282,7 +289,7 @@ def test_new_instance_reads_and_caps_existing_root(tmp_path):
     second = FileStorage(tmp_path / "l3")
     dst = torch.empty_like(page(2))
     assert second.get_one(key(2), dst) and same_bits(dst, page(2))
-    obj = HEADER_SIZE + page(0).nbytes
+    obj = object_bytes(page(0))
     capped = FileStorage(tmp_path / "l3", max_bytes=2 * obj)  # evicts at start-up
     assert capped.exists([key(i) for i in range(4)]) < 4
     assert capped.stats.evicted >= 2

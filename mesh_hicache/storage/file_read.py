@@ -1,0 +1,89 @@
+"""Reading one object of the file backend from its open descriptor: whole or ranged.
+
+Both read with ``os.preadv`` at explicit offsets (no file position, no Python buffering)
+straight into the destination's bytes and raise ``ObjectError`` on any check that fails
+(``objects.py`` has the format); the caller turns that into a miss.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from mesh_hicache.storage.objects import (
+    HEADER_SIZE,
+    PLAIN_FORMAT_VERSION,
+    ObjectCodec,
+    ObjectError,
+    ObjectHeader,
+)
+
+
+def _header(fd: int, codec: ObjectCodec, key: str, view: memoryview, size: int) -> ObjectHeader:
+    header = codec.decode_header(key, os.pread(fd, HEADER_SIZE, 0))
+    if header.nbytes != view.nbytes:
+        raise ObjectError(
+            "length", f"object holds {header.nbytes} bytes, destination {view.nbytes}"
+        )
+    if size < HEADER_SIZE + header.nbytes:
+        raise ObjectError("short", f"file of {size} bytes, header says {header.nbytes}")
+    if header.version == PLAIN_FORMAT_VERSION and size != HEADER_SIZE + header.nbytes:
+        raise ObjectError("length", "trailing bytes after the payload")
+    return header
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            raise ObjectError("short", f"payload ends {view.nbytes - done} bytes early")
+        done += n
+
+
+def read_whole(fd: int, size: int, codec: ObjectCodec, key: str, view: memoryview) -> int:
+    """Read and check the whole object open as ``fd`` (``size`` bytes on disk): header,
+    payload into ``view`` and (format version 2) the chunk table, in one ``preadv``;
+    returns the payload bytes read."""
+    extra = size - HEADER_SIZE - view.nbytes
+    head, table = bytearray(HEADER_SIZE), bytearray(max(extra, 0))
+    got = os.preadv(fd, [head, view, table], 0)
+    header = codec.decode_header(key, head[: min(got, HEADER_SIZE)])
+    if header.nbytes != view.nbytes:
+        raise ObjectError(
+            "length", f"object holds {header.nbytes} bytes, destination {view.nbytes}"
+        )
+    if extra < 0 or got < size:
+        raise ObjectError("short", f"object of {got} bytes, header says {header.nbytes}")
+    if header.version == PLAIN_FORMAT_VERSION:
+        if extra:
+            raise ObjectError("length", "trailing bytes after the payload")
+    else:
+        codec.decode_table(header, table)
+    codec.check_payload(header, view)
+    return header.nbytes
+
+
+def read_ranges(
+    fd: int,
+    size: int,
+    codec: ObjectCodec,
+    key: str,
+    view: memoryview,
+    ranges: Sequence[tuple[int, int]],
+) -> int:
+    """Read the chunks holding the payload byte ``ranges`` (``(offset, length)``) into
+    the same offsets of ``view`` (the payload's size) and check them against the chunk
+    table; returns the payload bytes read. A format version 1 object is read whole."""
+    header = _header(fd, codec, key, view, size)
+    if header.version == PLAIN_FORMAT_VERSION:
+        _pread_exact(fd, view, HEADER_SIZE)
+        codec.check_payload(header, view)
+        return header.nbytes
+    start = HEADER_SIZE + header.nbytes
+    table = codec.decode_table(header, os.pread(fd, size - start, start))
+    spans = table.spans(ranges)
+    for a, b in spans:
+        _pread_exact(fd, view[a:b], HEADER_SIZE + a)
+    table.check(view, spans)
+    return sum(b - a for a, b in spans)
