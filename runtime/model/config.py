@@ -344,6 +344,7 @@ class ModelConfig:
                     head_dim=self.latent_dim,
                     dtype=self.dtype,
                     mla=True,
+                    values=False,
                 ),
                 indexer=IndexerSpec(
                     layer_ids=self.mla_layers, key_dim=self.index_head_dim, dtype=self.dtype

@@ -63,7 +63,8 @@ def test_config_from_checkpoint(directory: Path) -> None:
     assert c.attn_kind == "mla" and c.layer_pattern == "AAA" and c.blocks == "AMAEAE"
     assert (c.latent_dim, c.index_head_dim, c.index_topk) == (16 + 8, 16, INDEX_TOPK)
     spec = c.state_spec(16)
-    assert spec.kv is not None and spec.kv.mla and spec.kv.head_dim == c.latent_dim
+    assert spec.kv is not None and spec.kv.mla and not spec.kv.values
+    assert spec.kv.head_dim == c.latent_dim and spec.kv.num_kv_heads == 1
     assert spec.indexer is not None and spec.indexer.layer_ids == (0, 1, 2)
 
 
