@@ -15,6 +15,17 @@ that work and tries once more: 1 agreement, or 2 plus the drain's. ``CacheFull``
 then raised on every rank together. Freeing needs no agreement: every rank frees the
 same indices because it made the same decisions.
 
+Fit before evict: a request for more than an EMPTY tier holds (pages or slots beyond the
+fixed pool's capacity; blocks beyond the arena's) raises ``CacheFull`` (device) or
+answers None (host) at once, evicting nothing: the answer depends only on replicated
+sizes, so every rank takes it without an agreement.
+
+Arenas (a byte budget per tier, ``pools/arena.py``): pages and states share the blocks,
+so making room for either may evict either. One victim at a time, from the queue whose
+head the policy ranks lower (``RadixTree.eviction_head``: its priorities compare across
+queues; ties go to KV), until the request fits or nothing is evictable. The same tree
+gives the same victims on every rank.
+
 Hooks: eviction needs the write policy's write-back callback and a way to wait for work
 in flight; both live in tiers above (``backup``), so they are passed in as
 :class:`EvictHooks`, never imported.
@@ -28,10 +39,26 @@ from typing import NamedTuple
 
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.pools.allocator import PageAllocator
+from mesh_hicache.pools.arena import ArenaIds
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import EvictResult, RadixTree, TreeNode
+from mesh_hicache.radix.eviction import EvictTarget
 from mesh_hicache.stats import CacheStats
+
+#: The allocator interface both pool kinds offer (fixed pool or one id space of an arena).
+Allocator = PageAllocator | ArenaIds
+
+#: An eviction queue of a shared arena and the call that evicts for ``n`` of its items
+#: (returns how many items of any kind it freed).
+Queue = tuple[EvictTarget, Callable[[int], int]]
+
+
+def _queue_head(tree: RadixTree, target: EvictTarget) -> tuple | None:
+    """The first entry of ``target``'s eviction queue, ``(*priority, node.id, node)``."""
+    # Interim: reaches the tree's queues until RadixTree.eviction_head (a read-only
+    # pass-through, requested from the tree's owner) exists.
+    return tree._queues.head(target)
 
 
 class CacheFull(RuntimeError):
@@ -79,37 +106,52 @@ class TierAllocator:
 
     @property
     def device_pages(self) -> int:
-        """Capacity of the device page pool (equal on every rank)."""
+        """Size of the device page id space (equal on every rank); ids are ``range`` of it."""
         return self._device.num_pages
 
     @property
     def device_slots(self) -> int:
-        """Capacity of the device Mamba slot pool (equal on every rank)."""
+        """Size of the device Mamba slot id space (equal on every rank)."""
         return self._device.num_slots
+
+    @property
+    def max_device_pages(self) -> int:
+        """Pages an empty device tier holds: more is never cached (fit before evict)."""
+        return self._device.max_pages
 
     # -- allocation (collective) ------------------------------------------------------------
 
     def alloc_device_pages(self, n: int) -> list[int]:
-        """``n`` device pages, evicting as needed; ``CacheFull`` on every rank if impossible."""
-        return self._alloc(self._device.page_allocator, n, self._evict_device_pages, "device pages")
+        """``n`` device pages, evicting as needed; ``CacheFull`` on every rank if impossible
+        (at once, evicting nothing, when ``n`` exceeds an empty tier)."""
+        dev = self._device
+        if n > dev.max_pages:
+            raise CacheFull(f"{n} device pages exceed an empty device tier ({dev.max_pages})")
+        return self._alloc(dev.page_allocator, n, self._device_evictor(True), "device pages")
 
     def alloc_device_slot(self) -> int:
-        """One device Mamba slot, evicting device states as needed; may raise ``CacheFull``."""
-        return self._alloc(self._device.slot_allocator, 1, self._evict_device_slots, "slots")[0]
+        """One device Mamba slot, evicting as needed; may raise ``CacheFull``."""
+        dev = self._device
+        if dev.max_slots < 1:
+            raise CacheFull(f"a state exceeds an empty device tier ({dev.max_slots} slots)")
+        return self._alloc(dev.slot_allocator, 1, self._device_evictor(False), "slots")[0]
 
     def try_alloc_host(self, pages: int, slots: int) -> HostReservation | None:
-        """Host pages and slots (evicting host copies as needed), or None on every rank."""
+        """Host pages and slots (evicting host copies as needed), or None on every rank
+        (at once, evicting nothing, when they exceed an empty host tier)."""
         host = self._host
         assert host is not None
+        if not self._fits_empty_host(host, pages, slots):
+            return None
         try:
             got_pages = self._alloc(
-                host.page_allocator, pages, self._evict_host_pages, "host pages"
+                host.page_allocator, pages, self._host_evictor(True), "host pages"
             )
         except CacheFull:
             return None
         try:
             got_slots = self._alloc(
-                host.slot_allocator, slots, self._evict_host_slots, "host slots"
+                host.slot_allocator, slots, self._host_evictor(False), "host slots"
             )
         except CacheFull:
             host.page_allocator.free(got_pages)
@@ -147,7 +189,7 @@ class TierAllocator:
 
     def _alloc(
         self,
-        allocator: PageAllocator,
+        allocator: Allocator,
         n: int,
         evict: Callable[[int], None],
         what: str,
@@ -174,22 +216,76 @@ class TierAllocator:
         return got
 
     @staticmethod
-    def _try_alloc(
-        allocator: PageAllocator, n: int, evict: Callable[[int], None]
-    ) -> list[int] | None:
-        if allocator.num_free < n:
+    def _try_alloc(allocator: Allocator, n: int, evict: Callable[[int], None]) -> list[int] | None:
+        if not allocator.can_allocate(n):
             # Deterministic: the same tree evicts the same victims on every rank.
-            evict(n - allocator.num_free)
+            evict(n)
         return allocator.allocate(n) if allocator.can_allocate(n) else None
 
-    def _evict_device_pages(self, n: int) -> None:
-        self.reclaim(self._tree.evict_device(n, before_evict=self._hooks.write_back()))
+    @staticmethod
+    def _fits_empty_host(host: HostPools, pages: int, slots: int) -> bool:
+        if host.arena is None:
+            return pages <= host.num_pages and slots <= host.num_slots
+        plan = host.arena.plan
+        return pages * plan.blocks_per_page + slots * plan.blocks_per_slot <= plan.num_blocks
 
-    def _evict_device_slots(self, n: int) -> None:
-        self.reclaim(self._tree.evict_mamba_device(n, before_evict=self._hooks.write_back()))
+    def _device_evictor(self, pages: bool) -> Callable[[int], None]:
+        """What makes room for ``n`` device pages (or slots); called with ``n``."""
+        dev = self._device
+        ids = dev.page_allocator if pages else dev.slot_allocator
+        if dev.arena is None:
+            own = self._evict_device_pages if pages else self._evict_device_slots
+            return lambda n: own(n - ids.num_free) and None
+        queues = (
+            (EvictTarget.DEVICE_KV, self._evict_device_pages),
+            (EvictTarget.MAMBA_DEVICE, self._evict_device_slots),
+        )
+        return lambda n: self._evict_shared(ids, n, queues)
 
-    def _evict_host_pages(self, n: int) -> None:
-        self.reclaim(self._tree.evict_host(n))
+    def _host_evictor(self, pages: bool) -> Callable[[int], None]:
+        """What makes room for ``n`` host pages (or slots); called with ``n``."""
+        host = self._host
+        assert host is not None
+        ids = host.page_allocator if pages else host.slot_allocator
+        if host.arena is None:
+            own = self._evict_host_pages if pages else self._evict_host_slots
+            return lambda n: own(n - ids.num_free) and None
+        queues = (
+            (EvictTarget.HOST_KV, self._evict_host_pages),
+            (EvictTarget.MAMBA_HOST, self._evict_host_slots),
+        )
+        return lambda n: self._evict_shared(ids, n, queues)
 
-    def _evict_host_slots(self, n: int) -> None:
-        self.reclaim(self._tree.evict_mamba_host(n))
+    def _evict_shared(self, ids: Allocator, n: int, queues: tuple[Queue, ...]) -> None:
+        """Evict one victim at a time, from the queue whose head ranks lower (ties: the
+        first, KV), until ``n`` items of ``ids`` fit or no queue can free anything."""
+        live = list(queues)
+        while live and not ids.can_allocate(n):
+            heads = [(_queue_head(self._tree, target), q) for q, (target, _) in enumerate(live)]
+            ranked = [(head[:-2], q) for head, q in heads if head is not None]
+            if not ranked:
+                return
+            pick = min(ranked)[1]
+            if live[pick][1](1) == 0:
+                del live[pick]  # nothing freeable behind that head: stop asking it
+
+    def _evict_device_pages(self, n: int) -> int:
+        """Evict device KV for ``n`` pages; returns how many pages and slots it freed."""
+        result = self._tree.evict_device(n, before_evict=self._hooks.write_back())
+        self.reclaim(result)
+        return len(result.device_pages) + len(result.mamba_device_slots)
+
+    def _evict_device_slots(self, n: int) -> int:
+        result = self._tree.evict_mamba_device(n, before_evict=self._hooks.write_back())
+        self.reclaim(result)
+        return len(result.device_pages) + len(result.mamba_device_slots)
+
+    def _evict_host_pages(self, n: int) -> int:
+        result = self._tree.evict_host(n)
+        self.reclaim(result)
+        return len(result.host_pages) + len(result.mamba_host_slots)
+
+    def _evict_host_slots(self, n: int) -> int:
+        result = self._tree.evict_mamba_host(n)
+        self.reclaim(result)
+        return len(result.host_pages) + len(result.mamba_host_slots)
