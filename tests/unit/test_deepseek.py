@@ -162,3 +162,11 @@ def test_unsupported_features_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="index_topk"):
         dataclasses.replace(load_checkpoint(build(tmp_path)).config, index_topk=0)
     assert hf_config().index_topk == INDEX_TOPK
+
+
+def test_resume_from_every_tier_equals_recompute(directory: Path, one_rank_topology, tmp_path):
+    # The latent (keys-only KV) and indexer pages cached and reloaded from L1 / L2 / L3 at
+    # aligned and unaligned boundaries: the suffix's top-k selects among reloaded keys.
+    from tests.checkpoint_cases import assert_resume_from_every_tier
+
+    assert_resume_from_every_tier(one_rank_topology, directory, tmp_path)
