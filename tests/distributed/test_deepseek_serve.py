@@ -57,14 +57,30 @@ def test_serve_prompts_equals_transformers_generate(tmp_path: Path, mesh) -> Non
     storage = tmp_path / "l3"
     first = _serve(directory, prompts, storage, tmp_path / "first.json", *mesh)
     assert [r["output_ids"] for r in first["requests"]] == want
-    turn2 = first["requests"][2]  # the second turn of session "a"
-    cached = turn2["cached"]["device"]
+    history = requests[0]["input_ids"] + want[0] + requests[2]["input_ids"]
+    cached = first["requests"][2]["cached"]["device"]  # the second turn of session "a"
     assert cached > 0
     if not mesh:
-        history = requests[0]["input_ids"] + want[0] + requests[2]["input_ids"]
         picked = _selected_positions(directory, history, cached)
         assert any(p < cached for p in picked), (cached, sorted(picked))
     # A new process on the same storage root: cold L1/L2, the prefixes come from L3.
     again = _serve(directory, prompts, storage, tmp_path / "again.json", *mesh)
     assert again["summary"]["cached_storage"] > 0
     assert [r["output_ids"] for r in again["requests"]] == want
+    from_l3 = again["requests"][2]["cached"]["storage"]
+    assert from_l3 > 0
+    if not mesh:
+        picked = _selected_positions(directory, history, from_l3)
+        assert any(p < from_l3 for p in picked), (from_l3, sorted(picked))
+
+
+@pytest.mark.parametrize(
+    ("shape", "cp_kv"), [((1, 2, 2), "shard"), ((2, 1, 2), "replicate")], ids=["1x2x2", "2x1x2"]
+)
+def test_resume_from_every_tier_on_a_mesh(tmp_path: Path, shape, cp_kv: str) -> None:
+    """L1 / L2 / L3 hits (aligned, unaligned, after evict/reload cycles) equal recompute
+    on every rank; the prompts are 8+ pages against ``index_topk`` = 6."""
+    from tests.distributed.test_checkpoints import _check_resume
+
+    directory = deepseek_cases.build(tmp_path)
+    _check_resume(shape, directory, cp_kv, tmp_path / "l3", timeout=500)
