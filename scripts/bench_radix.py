@@ -38,10 +38,13 @@ import argparse
 import gc
 import hashlib
 import importlib
+import importlib.util
 import os
 import random
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from array import array
@@ -277,12 +280,91 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def bench_hashing(old: ModuleType, page_size: int, reps: int) -> dict[str, float]:
-    """Microseconds per page (best of ``reps``, thread CPU time): chained hashes (NEW from
-    packed bytes, OLD from ints) and native hashes of each page (``hashlib.sha256`` of the
-    same bytes; Python's built-in ``hash`` of the page's token tuple), alternated."""
+# SGLang's page hash approach (sglang/srt/mem_cache/cpp_utils: hash_binding.cpp), written
+# here from its description: the key's token ids go into an ``array("I")`` (uint32), then ONE
+# native call hashes every page, SHA-256(previous page's digest, none for the first page +
+# the page's uint32 little-endian ids) with OpenSSL, the GIL released, and returns the
+# digests as a list of hex str. Built at run time (skipped with a note without cc).
+_SGLANG_HASH_C = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+typedef struct { unsigned int h[8], Nl, Nh, data[16], num, md_len; } SHA256_CTX;
+int SHA256_Init(SHA256_CTX *c);
+int SHA256_Update(SHA256_CTX *c, const void *data, size_t len);
+int SHA256_Final(unsigned char *md, SHA256_CTX *c);
+
+static PyObject *page_hashes(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t ps, n, pages, i;
+    int j, has_prior = 0;
+    unsigned char prior[32];
+    static const char hexd[] = "0123456789abcdef";
+    char *hex;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "y*n", &buf, &ps)) return NULL;
+    n = buf.len / 4;
+    pages = ps > 0 ? n / ps : 0;
+    hex = PyMem_Malloc(pages * 64 + 1);
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < pages; i++) {
+        SHA256_CTX c;
+        SHA256_Init(&c);
+        if (has_prior) SHA256_Update(&c, prior, 32);
+        SHA256_Update(&c, (const char *)buf.buf + i * ps * 4, ps * 4);
+        SHA256_Final(prior, &c);
+        has_prior = 1;
+        for (j = 0; j < 32; j++) {
+            hex[i * 64 + 2 * j] = hexd[prior[j] >> 4];
+            hex[i * 64 + 2 * j + 1] = hexd[prior[j] & 15];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    out = PyList_New(pages);
+    for (i = 0; out && i < pages; i++) {
+        PyObject *h = PyUnicode_FromStringAndSize(hex + i * 64, 64);
+        if (!h) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, h);
+    }
+    PyMem_Free(hex);
+    return out;
+}
+static PyMethodDef methods[] = {{"page_hashes", page_hashes, METH_VARARGS, NULL}, {NULL}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "sglang_like_hash", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_sglang_like_hash(void) { return PyModule_Create(&mod); }
+"""
+
+
+def build_sglang_like_hash(folder: str) -> tuple[ModuleType | None, str]:
+    """The SGLang-approach page hash module compiled into ``folder``, or (None, why)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc)"
+    src = os.path.join(folder, "sglang_like_hash.c")
+    with open(src, "w") as f:
+        f.write(_SGLANG_HASH_C)
+    out = os.path.join(folder, "sglang_like_hash" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cmd = [cc, "-O3", "-shared", "-fPIC", "-I", sysconfig.get_paths()["include"], src]
+    r = subprocess.run([*cmd, "-lcrypto", "-o", out], capture_output=True, text=True)
+    if r.returncode:
+        return None, f"build failed: {r.stderr.strip()[-300:]}"
+    spec = importlib.util.spec_from_file_location("sglang_like_hash", out)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, ""
+
+
+def bench_hashing(
+    old: ModuleType, sgl: ModuleType | None, page_size: int, reps: int
+) -> dict[str, float]:
+    """Microseconds per page (best of ``reps``, thread CPU time), alternated: chained hashes
+    (NEW from packed bytes, OLD from ints), SGLang's approach (``sgl``: uint32 array of the
+    key's ints + one native call), and native hashes of each page (``hashlib.sha256`` of the
+    same bytes; Python's built-in ``hash`` of the page's token tuple)."""
     rng = random.Random(1)
-    tokens = [rng.randrange(32000) for _ in range(page_size * 64)]
+    tokens = tokenizer_output([rng.randrange(32000) for _ in range(page_size * 64)])
     key = new_radix.RadixKey(tokens)
     data = key.data
     step = page_size * 8
@@ -299,6 +381,11 @@ def bench_hashing(old: ModuleType, page_size: int, reps: int) -> dict[str, float
             hash(tuple(tokens[i : i + page_size])) for i in range(0, len(tokens), page_size)
         ],
     }
+    if sgl is not None:
+        # What SGLang does per node: its key is a list of ints, packed per call.
+        fns["sglang_native"] = lambda: sgl.page_hashes(array("I", tokens), page_size)
+        ref = hashlib.sha256(array("I", tokens[:page_size]).tobytes()).hexdigest()
+        assert sgl.page_hashes(array("I", tokens), page_size)[0] == ref
     # Same number of chained hashes (the byte encoding is versioned: v1 old, v2 new).
     assert len(key.page_hashes(page_size)) == len(old.page_hashes(tokens, page_size)) == 64
     best = {name: float("inf") for name in fns}
@@ -309,6 +396,8 @@ def bench_hashing(old: ModuleType, page_size: int, reps: int) -> dict[str, float
             best[name] = min(best[name], (time.thread_time_ns() - t0) / 64 / 1e3)
     best["new_over_sha256"] = best["new_chained"] / best["sha256_page_bytes"]
     best["new_over_builtin_hash"] = best["new_chained"] / best["builtin_hash_page_tuple"]
+    if sgl is not None:
+        best["new_over_sglang_native"] = best["new_chained"] / best["sglang_native"]
     return best
 
 
@@ -325,6 +414,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--pages", type=int, nargs="+", default=[1000, 10000, 100000])
     p.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--hash-page-sizes", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--requests", type=int, default=1500, help="timed requests per config")
     p.add_argument("--warmup", type=int, default=200, help="untimed requests after the fill")
     p.add_argument(
@@ -356,13 +446,18 @@ def main() -> None:
     results: dict[str, Any] = {"pinned_cpu": cpu, "configs": [], "hashing": {}}
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_radix(args.old_rev, tmp)
-        for ps in args.page_sizes:
-            results["hashing"][str(ps)] = h = bench_hashing(old, ps, 200)
+        sgl, why = build_sglang_like_hash(tmp)
+        if sgl is None:
+            print(f"SGLang-approach hash skipped: {why}")
+        results["sglang_hash_baseline"] = why or "built"
+        for ps in args.hash_page_sizes:
+            results["hashing"][str(ps)] = h = bench_hashing(old, sgl, ps, 200)
             print(
                 f"ps={ps:3d} hash us/page: new {h['new_chained']:.3f} old {h['old_chained']:.3f}"
+                f" sglang-native {h.get('sglang_native', float('nan')):.3f}"
                 f" sha256(bytes) {h['sha256_page_bytes']:.3f}"
                 f" hash(tuple) {h['builtin_hash_page_tuple']:.3f}"
-                f" -> new/sha256 {h['new_over_sha256']:.2f}"
+                f" -> new/sglang {h.get('new_over_sglang_native', float('nan')):.2f}"
             )
         for ps in args.page_sizes:
             for pages in args.pages:

@@ -52,10 +52,13 @@ class Freed:
         )
 
 
-def common_bytes(data: bytes, pos: int, other: bytes, page_bytes: int) -> int:
-    """Bytes of ``other`` that equal ``data[pos:]``, in whole pages; the first page is known
-    to match. A binary search over pages: O(log pages) native comparisons, O(bytes) copied."""
-    end = min(len(other), len(data) - pos)
+def common_bytes(
+    data: bytes, pos: int, other: bytes, page_bytes: int, stop: int | None = None
+) -> int:
+    """Bytes of ``other`` that equal ``data[pos:stop]``, in whole pages; the first page is
+    known to match. A binary search over pages: O(log pages) native comparisons, O(bytes)
+    copied."""
+    end = min(len(other), (len(data) if stop is None else stop) - pos)
     if data[pos : pos + end] == other[:end]:
         return end
     lo, hi = 1, end // page_bytes  # pages: the first ``lo`` match, the first ``hi`` do not
@@ -101,14 +104,12 @@ class TreeCore:
 
     # ---------------------------------------------------------------- checks
 
-    def _check_key(self, key: RadixKey) -> RadixKey:
-        """``key`` truncated to whole pages (a byte slice: tokens are not looked at)."""
-        if not isinstance(key, RadixKey):
+    def _key_end(self, key: RadixKey) -> int:
+        """Bytes of ``key.data`` in whole pages (nothing is copied, no token is looked at)."""
+        if type(key) is not RadixKey and not isinstance(key, RadixKey):
             raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
-        extra = len(key.data) % self._page_bytes
-        if extra:
-            return RadixKey.from_packed(key.data[:-extra], key.namespace)
-        return key
+        n = len(key.data)
+        return n - n % self._page_bytes
 
     @staticmethod
     def _check_indices(
@@ -127,11 +128,11 @@ class TreeCore:
         """The device pages the tree holds for the leading whole pages of ``key``, in order:
         exactly the positions where ``insert(key, device_indices=...)`` would not take the
         given page (device copies are prefix-closed). Read-only: no split, no touch."""
-        key = self._check_key(key)
+        end = self._key_end(key)
         root = self._roots.get(key.namespace)
         if root is None:
             return ()
-        path, _pos, partial = self._walk(root, key.data)
+        path, _pos, partial = self._walk(root, key.data, end)
         out: list[int] = []
         for node in path:
             if node.device_indices is None:
@@ -173,23 +174,25 @@ class TreeCore:
             n = n.parent
 
     def _walk(
-        self, root: TreeNode, data: bytes
+        self, root: TreeNode, data: bytes, end: int
     ) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
-        """Fully matched nodes, their byte count, and (node, bytes) of a partial match."""
+        """Fully matched nodes, their byte count, and (node, bytes) of a partial match,
+        over ``data[:end]`` (``end`` a whole number of pages)."""
         pb = self._page_bytes
         path: list[TreeNode] = []
-        node = root
+        append = path.append
+        children = root.children
         pos = 0
-        n = len(data)
-        while pos < n:
-            child = node.children.get(data[pos : pos + pb])
+        while pos < end:
+            child = children.get(data[pos : pos + pb])
             if child is None:
                 break
-            if not data.startswith(child.data, pos):
-                return path, pos, (child, common_bytes(data, pos, child.data, pb))
-            path.append(child)
-            pos += len(child.data)
-            node = child
+            cd = child.data
+            if not data.startswith(cd, pos, end):
+                return path, pos, (child, common_bytes(data, pos, cd, pb, end))
+            append(child)
+            pos += len(cd)
+            children = child.children
         return path, pos, None
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:

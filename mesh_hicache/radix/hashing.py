@@ -25,6 +25,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
+from types import ModuleType
 
 import numpy as np
 
@@ -79,11 +80,15 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
     ``TypeError`` for a non-int (bool and float included), ``ValueError`` for an int
     outside ``[0, 2**63)``; both name the value and its position.
     """
-    if isinstance(tokens, str | bytes | bytearray | memoryview):
-        raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
-    if not isinstance(tokens, list | tuple | range):
-        tolist = getattr(tokens, "tolist", None)  # numpy / torch: Python ints, one C call
-        tokens = tolist() if tolist is not None else list(tokens)
+    kind = type(tokens)
+    if kind is not list and kind is not tuple:
+        if isinstance(tokens, str | bytes | bytearray | memoryview):
+            raise TypeError(f"tokens must be a sequence of ints, got {kind.__name__}")
+        if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
+            return _pack_int_array(tokens)
+        if not isinstance(tokens, list | tuple | range):
+            tolist = getattr(tokens, "tolist", None)  # numpy / torch: Python ints, one C call
+            tokens = tolist() if tolist is not None else list(tokens)
     seq: Sequence[object] = tokens  # type: ignore[assignment]
     try:
         packed = array("Q", seq)  # type: ignore[type-var]  # C loop: non-ints, < 0, >= 2**64
@@ -91,15 +96,24 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
         raise _bad_token(seq) from None
     if not packed:
         return b""
-    values = np.frombuffer(packed, dtype=np.int64)  # ids >= 2**63 read negative
-    if values.min() <= 1:
-        # Only 0 and 1 can be bools, and negatives are the ids >= 2**63: check those alone.
+    # One numpy reduction: ids >= 2**63 read negative, and only 0 and 1 can be bools.
+    if np.frombuffer(packed, dtype=np.int64).min() <= 1:
+        values = np.frombuffer(packed, dtype=np.int64)
         for i in np.flatnonzero(values <= 1).tolist():
             if values[i] < 0 or isinstance(seq[i], bool | np.bool_):
                 raise _bad_token(seq, i) from None
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+def _pack_int_array(values: np.ndarray) -> bytes:
+    """``pack_tokens`` of a 1-D numpy integer array: no Python int per token."""
+    if values.size == 0:
+        return b""
+    if values.min() < 0 or (values.dtype.itemsize == 8 and values.max() >= TOKEN_LIMIT):
+        raise _bad_token(values.tolist())
+    return values.astype("<i8", copy=False).tobytes()
 
 
 def unpack_tokens(data: bytes) -> tuple[int, ...]:
@@ -125,16 +139,43 @@ def packed_page_hashes(
     """
     prev = _NO_PARENT if parent is None else parent
     step = page_size * TOKEN_BYTES
+    first = start_page * step
+    pages = (len(data) - first) // step
+    if pages >= _NATIVE_MIN_PAGES and type(data) is bytes:
+        native = _native()
+        if native is not None:
+            got = native.chain(namespace_prefix(namespace), prev, data, first, step, pages)
+            if got is not None:
+                return got
     view = memoryview(data)
     fresh = hashlib.sha256(namespace_prefix(namespace)).copy
     out: list[bytes] = []
-    for start in range(start_page * step, len(data) - step + 1, step):
+    for start in range(first, len(data) - step + 1, step):
         h = fresh()
         h.update(prev)
         h.update(view[start : start + step])
         prev = h.digest()
         out.append(prev)
     return out
+
+
+#: Pages from which one call goes through the native loop (radix/native.py): below, the
+#: ``ctypes`` call costs about what the Python loop does.
+_NATIVE_MIN_PAGES = 4
+_native_module: ModuleType | None | bool = False  # False: not imported yet
+
+
+def _native() -> ModuleType | None:
+    """radix/native.py, imported on first use (this file also loads on its own, without
+    the package, where it falls back to the Python loop)."""
+    global _native_module
+    if _native_module is False:
+        try:
+            from mesh_hicache.radix import native
+        except ImportError:
+            native = None  # type: ignore[assignment]
+        _native_module = native if native is not None and native.available() else None
+    return _native_module  # type: ignore[return-value]
 
 
 def _check_page_size(page_size: object) -> None:

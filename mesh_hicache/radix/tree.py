@@ -61,11 +61,11 @@ class RadixTree(TreeCore):
         consistent). With Mamba no split is needed: a usable prefix always ends at a
         node's end. A miss returns lengths 0 and a sentinel ``last_node``.
         """
-        key = self._check_key(key)
+        end = self._key_end(key)
         root = self._roots.get(key.namespace)
         if root is None:
             return MatchResult((), (), self._miss_root, 0, 0, 0, 0, None, None, ())
-        path, pos, partial = self._walk(root, key.data)
+        path, pos, partial = self._walk(root, key.data, end)
         raw_kv_len = (pos + (partial[1] if partial is not None else 0)) >> 3
         if partial is not None and not self.has_mamba:
             path.append(self._split(partial[0], partial[1]))
@@ -133,10 +133,9 @@ class RadixTree(TreeCore):
         before it must already be in the tree; if they are not (evicted meanwhile), nothing
         is taken: every host index and slot comes back unused.
         """
-        key = self._check_key(key)
+        n = self._key_end(key)
         pb = self._page_bytes
         data = key.data
-        n = len(data)
         num_pages = n // pb
         dev = self._check_indices("device_indices", device_indices, num_pages)
         first = host_first_page
@@ -167,9 +166,9 @@ class RadixTree(TreeCore):
             if child is None:
                 break
             cd = child.data
-            m = len(cd) if data.startswith(cd, pos) else -1
+            m = len(cd) if data.startswith(cd, pos, n) else -1
             if m < 0:
-                m = common_bytes(data, pos, cd, pb)
+                m = common_bytes(data, pos, cd, pb, n)
             if pos < split_at < pos + m:
                 m = split_at - pos  # split where the given host pages start
             if m < len(cd):
@@ -194,7 +193,7 @@ class RadixTree(TreeCore):
             assert hst is not None and not unused_host
             return InsertResult(num_existing, node, (), hst, False, False)
         if pos < n:
-            new = self._new_node(key.namespace, node, data[pos:])
+            new = self._new_node(key.namespace, node, data[pos:n])
             new.last_access = self.clock
             node.children[data[pos : pos + pb]] = new
             if dev is not None:
@@ -337,12 +336,12 @@ class RadixTree(TreeCore):
     def node_at(self, key: RadixKey) -> TreeNode | None:
         """The node ending exactly at ``key``'s last whole page, or None. Read-only: no
         split, no touch (for tests and tools)."""
-        key = self._check_key(key)
+        end = self._key_end(key)
         root = self._roots.get(key.namespace)
-        if root is None or not key.data:
+        if root is None or not end:
             return None
-        path, pos, partial = self._walk(root, key.data)
-        return path[-1] if path and partial is None and pos == len(key.data) else None
+        path, pos, partial = self._walk(root, key.data, end)
+        return path[-1] if path and partial is None and pos == end else None
 
     def nodes_on_path(self, node: TreeNode) -> list[TreeNode]:
         """Non-sentinel nodes from the root down to ``node`` (inclusive)."""

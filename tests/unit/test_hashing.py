@@ -136,3 +136,49 @@ def test_keys_validate_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert key.page_hashes(4, start_page=1, parent=key.page_hashes(4)[0]) == key.page_hashes(4)[1:]
     assert calls == []  # slices, prefixes and hashes never look at a token again
     assert hash(key) == hash(RadixKey(range(10), "ns")) and key != RadixKey(range(10))
+
+
+def test_numpy_arrays_pack_without_python_ints() -> None:
+    import numpy as np
+
+    for dtype in (np.int64, np.int32, np.uint16, np.uint64):
+        arr = np.array([0, 1, 7, 31999], dtype=dtype)
+        assert hashing.pack_tokens(arr) == hashing.pack_tokens([0, 1, 7, 31999])
+    assert hashing.pack_tokens(np.array([], dtype=np.int64)) == b""
+    with pytest.raises(ValueError, match="-3 at position 1"):
+        hashing.pack_tokens(np.array([2, -3], dtype=np.int32))
+    with pytest.raises(ValueError, match=str(2**63)):
+        hashing.pack_tokens(np.array([5, 2**63], dtype=np.uint64))
+    with pytest.raises(TypeError, match="at position 0"):
+        hashing.pack_tokens(np.array([1.5, 2.0]))
+
+
+def _python_chain(data: bytes, ps: int, ns: str, parent: bytes | None, start: int) -> list[bytes]:
+    """The documented v2 chain, one hashlib call per page (the reference)."""
+    prev, step, out = parent or bytes(32), ps * 8, []
+    for at in range(start * step, len(data) - step + 1, step):
+        prev = hashlib.sha256(hashing.namespace_prefix(ns) + prev + data[at : at + step]).digest()
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_both_hash_loops_give_the_documented_chain(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mesh_hicache.radix import native as native_mod
+
+    if native and not native_mod.available():
+        pytest.skip("native page hash loop needs a C compiler (cc) and libcrypto")
+    if not native:
+        monkeypatch.setattr(hashing, "_native_module", None)
+    rng = __import__("random").Random(5)
+    for ps in (1, 3, 16, 64):
+        for pages in (0, 1, 3, 4, 5, 33):
+            data = hashing.pack_tokens(
+                [rng.randrange(2**63) for _ in range(ps * pages + rng.randrange(ps))]
+            )
+            for ns, parent, start in (("", None, 0), ("t", bytes(range(32)), 1), ("", None, 2)):
+                want = _python_chain(data, ps, ns, parent, start)
+                got = hashing.packed_page_hashes(data, ps, ns, parent, start)
+                assert got == want, (ps, pages, ns, start)
