@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mesh_hicache.pools.arena import ALIGN as ARENA_ALIGN
 from mesh_hicache.choices import (
     Choice,
     CpKvMode,
@@ -15,7 +14,8 @@ from mesh_hicache.choices import (
     TransferBackend,
     WritePolicy,
 )
-from mesh_hicache.radix.eviction import CostModel
+from mesh_hicache.pools.arena import ALIGN as ARENA_ALIGN
+from mesh_hicache.radix.eviction import CostModel, EvictionPolicy
 
 #: Reserved in tenants and namespaces: it separates them in the tree's namespace.
 TENANT_SEPARATOR = "\x1f"
@@ -104,9 +104,10 @@ class HiCacheConfig:
     Any string without the reserved character ``"\x1f"``."""
     layout_version: int = 1
     """Bumped whenever the stored byte layout changes; part of every storage key."""
-    eviction_policy: EvictionPolicyKind | str = EvictionPolicyKind.LRU
+    eviction_policy: EvictionPolicyKind | str | EvictionPolicy = EvictionPolicyKind.LRU
     """How the tree ranks eviction victims: ``lru``, ``lfu`` or ``cost`` (GreedyDual-Size
-    over the FLOPs a hit saves per byte; docs/DESIGN.md section 5)."""
+    over the FLOPs a hit saves per byte; docs/DESIGN.md section 5), or a stateless
+    ``EvictionPolicy`` instance (benchmarks' baselines)."""
     cost_model: CostModel | None = None
     """Bytes per KV token and per state, FLOPs per token and per key for ``cost``;
     None = ``CostModel.from_spec`` (rough). The runtime passes its model's numbers."""
@@ -131,6 +132,8 @@ class HiCacheConfig:
             raise ValueError(f"HiCacheConfig.host_ratio must be > 0, got {self.host_ratio}")
         self._check_budgets()
         for name, enum_type in _CHOICES.items():
+            if name == "eviction_policy" and isinstance(self.eviction_policy, EvictionPolicy):
+                continue
             member = enum_type.parse(getattr(self, name), f"HiCacheConfig.{name}")
             object.__setattr__(self, name, member)
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):

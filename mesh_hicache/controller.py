@@ -39,6 +39,7 @@ from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools.allocator import PageAllocator
+from mesh_hicache.pools.arena import ArenaIds, agreed_plan
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import PoolUsage, RadixKey, RadixTree
@@ -78,25 +79,35 @@ class HiCacheController:
         device = torch.device("cpu")
         if topology.device_type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        slots = config.mamba_device_slots() if spec.has_mamba else 0
-        self.device = DevicePools(
-            self.layout, num_pages=config.device_pages, num_slots=slots, device=device
-        )
+        self.agree = Consensus.over(topology, "pp", "cp", "tp")
+        # A byte budget is one arena per tier, its blocks agreed over the mesh
+        # (pools/arena.py); explicit counts are fixed pools.
+        if config.device_bytes:
+            plan = agreed_plan(self.layout, config.device_bytes, self.agree, config.block_bytes)
+            self.device = DevicePools(self.layout, device=device, arena=plan)
+        else:
+            slots = config.mamba_device_slots() if spec.has_mamba else 0
+            self.device = DevicePools(
+                self.layout, num_pages=config.device_pages, num_slots=slots, device=device
+            )
         self.host: HostPools | None = None
         self.engine: TransferEngine | None = None
         if config.enable_host:
-            host_slots = config.mamba_host_slots() if spec.has_mamba else 0
-            self.host = HostPools(
-                self.layout,
-                num_pages=config.num_host_pages(),
-                num_slots=host_slots,
-                topology=topology,
-            )
+            host_bytes = config.host_arena_bytes()
+            if host_bytes:
+                plan = agreed_plan(self.layout, host_bytes, self.agree, config.block_bytes)
+                self.host = HostPools(self.layout, topology=topology, arena=plan)
+            else:
+                self.host = HostPools(
+                    self.layout,
+                    num_pages=config.num_host_pages(),
+                    num_slots=config.mamba_host_slots() if spec.has_mamba else 0,
+                    topology=topology,
+                )
             self.engine = make_transfer_engine(self.device, self.host, str(config.transfer))
         cost = config.cost_model or CostModel.from_spec(spec)
-        evict_policy = make_policy(str(config.eviction_policy), cost)
+        evict_policy = make_policy(config.eviction_policy, cost)
         self.tree = RadixTree(spec.page_size, spec.has_mamba, evict_policy)
-        self.agree = Consensus.over(topology, "pp", "cp", "tp")
         policy = PrefetchPolicy(config.prefetch_policy)
         self.stats = CacheStats(prefetch_policy=policy)
         self.namespace = KeyNamespace(
@@ -202,7 +213,7 @@ class HiCacheController:
         held_pages = [p for lease in leases for p in lease.owned_pages]
         held_slots = [s for lease in leases for s in lease.owned_slots]
 
-        def usage(allocator: PageAllocator, held: Sequence[int] = ()) -> PoolUsage:
+        def usage(allocator: PageAllocator | ArenaIds, held: Sequence[int] = ()) -> PoolUsage:
             free = [i for i in range(allocator.capacity) if allocator.is_free(i)]
             return PoolUsage(capacity=allocator.capacity, free=free, held=held)
 
@@ -213,6 +224,9 @@ class HiCacheController:
             mamba_device=usage(self.device.slot_allocator, held_slots),
             mamba_host=usage(host.slot_allocator) if host is not None else None,
         )
+        for pools in (self.device, host):
+            if pools is not None and pools.arena is not None:
+                pools.arena.check_integrity()  # blocks: free runs + extents tile the arena
 
     def _check_protections(self, leases: Sequence[Lease]) -> None:
         expected = {"lock_ref": Counter[int](), "host_ref": Counter[int]()}

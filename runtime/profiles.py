@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mesh_hicache.radix.eviction import CostModel
+
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -130,6 +132,16 @@ class ModelProfile:
     def attention_flops_per_key(self) -> int:
         """FLOPs per (query token, key) pair over all attention layers: scores + values."""
         return self.attention_layers * 4 * self.num_heads * self.head_dim
+
+    def cost_model(self) -> CostModel:
+        """The numbers the cache's cost-aware eviction ranks by (``HiCacheConfig.cost_model``):
+        the same bytes and FLOPs as ``kv_bytes_per_token``, ``state_bytes`` and ``flops``."""
+        return CostModel(
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            state_bytes=self.state_bytes,
+            flops_per_token=self.linear_flops_per_token,
+            flops_per_key=self.attention_flops_per_key,
+        )
 
     def flops(self, start: int, end: int) -> int:
         """FLOPs of computing positions ``[start, end)`` (``0 <= start <= end``)."""

@@ -3,7 +3,8 @@
 ``Replayer.serve`` makes exactly the cache calls ``runtime.engine.Engine.serve`` makes for
 a prompt and a reply of known length: match one token short, load, finish_load,
 alloc_pages for prompt + reply, a Mamba checkpoint at the prompt's branch point (where it
-left a cached KV path that had no state) and at its last page boundary, the inserts of
+left a cached KV path that had no state) and, only when decoding will not reach a page
+boundary, at its last page boundary (admission: docs/DESIGN.md section 11), the inserts of
 the prompt checkpoints, a checkpoint at the last page boundary reached while decoding,
 its insert, release. Only the model's compute and the tensor copies are skipped, so the
 tree, the allocators and eviction see the same sequence of decisions as in the engine
@@ -23,6 +24,7 @@ import torch
 
 from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.radix.eviction import EvictionPolicy
 from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
 from mesh_hicache.topology import MeshTopology
 from runtime.profiles import ModelProfile
@@ -99,10 +101,13 @@ def budget_config(
     device_bytes: int,
     host_bytes: int = 0,
     state_share: float | None = None,
+    policy: str | EvictionPolicy = "lru",
 ) -> HiCacheConfig:
     """A ``HiCacheConfig`` whose L1 (and L2 when ``host_bytes`` > 0) pools fit the byte
     budgets, split between KV pages and states by the fixed rule (``fixed_split``), or
-    with ``state_share`` of each budget for states (``share_split``)."""
+    with ``state_share`` of each budget for states (``share_split``). ``policy``: the
+    eviction policy (``HiCacheConfig.eviction_policy``), ranking by the profile's bytes
+    and FLOPs (``ModelProfile.cost_model``)."""
     pb, sb = profile.page_bytes(page_size), profile.state_bytes
 
     def split(budget: int) -> tuple[int, int]:
@@ -110,10 +115,16 @@ def budget_config(
             return fixed_split(budget, pb, sb)
         return share_split(budget, pb, sb, state_share)
 
+    cost = profile.cost_model()
     pages, slots = split(device_bytes)
     if host_bytes <= 0:
         return HiCacheConfig(
-            device_pages=pages, device_mamba_slots=slots, enable_host=False, transfer="cpu"
+            device_pages=pages,
+            device_mamba_slots=slots,
+            enable_host=False,
+            transfer="cpu",
+            eviction_policy=policy,
+            cost_model=cost,
         )
     host_pages, host_slots = split(host_bytes)
     return HiCacheConfig(
@@ -124,6 +135,8 @@ def budget_config(
         enable_host=True,
         write_policy="write_through",
         transfer="cpu",
+        eviction_policy=policy,
+        cost_model=cost,
     )
 
 
@@ -134,11 +147,19 @@ def budget_cache(
     device_bytes: int,
     host_bytes: int = 0,
     state_share: float | None = None,
+    policy: str | EvictionPolicy = "lru",
 ) -> HiCache:
     """A ``HiCache`` on ``topology`` with tiny tensors and the pools of ``budget_config``.
     Collective."""
-    config = budget_config(profile, page_size, device_bytes, host_bytes, state_share)
+    config = budget_config(profile, page_size, device_bytes, host_bytes, state_share, policy)
     return HiCache(topology, tiny_spec(page_size, profile.has_ssm), config)
+
+
+def decode_writes_checkpoint(prompt_len: int, num_new: int, page_size: int) -> bool:
+    """Whether decoding ``num_new`` tokens after a prompt of ``prompt_len`` reaches a page
+    boundary (the engine feeds ``num_new - 1`` tokens back), i.e. writes the decode
+    checkpoint that makes the prompt-end checkpoints redundant (``runtime.engine``)."""
+    return (prompt_len + num_new - 1) // page_size > prompt_len // page_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,19 +192,10 @@ class Replayer:
     ``flush_each``: wait for every device -> host backup after each request, so the
     result does not depend on the copy thread's timing (the engine test does the same
     between engine requests).
-
-    Probes of issue 16 (what the engine does *not* do yet; off by default, and then the
-    replay no longer equals the engine): ``fit_first`` serves a request that needs more
-    pages than L1 has in total uncached without asking for pages (so it evicts nothing;
-    item 3); ``decode_first`` skips the prompt-end checkpoints when decoding will reach
-    a page boundary and write the checkpoint the next turn reuses (item 2; branch-point
-    checkpoints stay).
     """
 
     cache: HiCache
     flush_each: bool = True
-    fit_first: bool = False
-    decode_first: bool = False
 
     def serve(self, prompt: Sequence[int], output: Sequence[int], namespace: str = "") -> Served:
         """The cache calls of ``Engine.serve(prompt)`` when it generates ``output``
@@ -210,27 +222,27 @@ class Replayer:
         hit, reused = req.hit, req.served
         total_pages = -(-(n + len(output)) // ps)
         pages: list[int] | None = None
-        if not (self.fit_first and total_pages > cache.config.device_pages):
-            try:
-                new = cache.alloc_pages(req, total_pages - prefix // ps)
-                pages = req.prefix_pages[: prefix // ps] + new
-            except CacheFull:
-                pass  # Longer than L1 can hold: the engine serves it uncached.
-        # decode_first probe: decoding reaches a boundary in (n, n + len(output) - 1].
-        skip_end = self.decode_first and (n + len(output) - 1) // ps > n // ps
+        try:
+            new = cache.alloc_pages(req, total_pages - prefix // ps)
+            pages = req.prefix_pages[: prefix // ps] + new
+        except CacheFull:
+            pass  # Longer than L1 can hold: the engine serves it uncached.
+        # Admission (as the engine): the prompt-end checkpoints only when decoding will
+        # not reach a page boundary and write the one the next turn resumes from.
+        decode_cp = decode_writes_checkpoint(n, len(output), ps)
         branch = hit.raw_kv_tokens if prefix < hit.raw_kv_tokens < n else None
         stops = set()
         if has_mamba:
             if branch is not None:
                 stops.add(branch)
-            if not skip_end:
+            if not decode_cp:
                 stops.add((n - 1) // ps * ps)
         stops = {s for s in stops if prefix < s <= n} | {n}
         checkpoints: list[_Checkpoint] = []
         for stop in sorted(stops):
-            if skip_end and stop == n and stop != branch:
-                continue
             if stop % ps == 0 and has_mamba and pages is not None:
+                if decode_cp and stop == n:
+                    continue
                 cp = self._checkpoint(req, stop)
                 if cp is not None:
                     checkpoints.append(cp)

@@ -38,7 +38,8 @@ from runtime.profiles import ModelProfile, load_hf_config, profile
 from runtime.replay import TIERS, Replayer, budget_cache
 from runtime.traces import TraceRequest, read_jsonl
 
-POLICIES = ("lru", "cost")
+POLICIES = ("lru", "cost", "marconi")
+DEFAULT_POLICY = "lru"
 _UNITS = {
     "": 1,
     "k": 10**3,
@@ -79,22 +80,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-bytes", type=parse_bytes, required=True, help="L1 budget")
     p.add_argument("--host-bytes", type=parse_bytes, default=0, help="L2 budget (0: L1 only)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--policy", choices=POLICIES, default="lru", help="eviction policy")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        help="eviction policy: lru, cost (GreedyDual-Size over saved FLOPs per byte), "
+        "marconi (the paper's recency + alpha x FLOP efficiency baseline, --alpha)",
+    )
+    p.add_argument("--alpha", type=float, default=1.0, help="marconi: weight of FLOP efficiency")
+    p.add_argument(
+        "--baselines",
+        default=None,
+        metavar="ALPHAS",
+        help="also replay lru and marconi at each comma-separated alpha on the same trace "
+        "(results under 'baselines'; 'marconi_best' is the best alpha by hit rate)",
+    )
     p.add_argument(
         "--state-share",
         type=float,
         default=None,
         help="fraction of each budget for state checkpoints (default: HiCacheConfig's rule)",
-    )
-    p.add_argument(
-        "--probe-fit-first",
-        action="store_true",
-        help="probe of issue 16 item 3: a request larger than L1 evicts nothing (not the engine)",
-    )
-    p.add_argument(
-        "--probe-decode-first",
-        action="store_true",
-        help="probe of issue 16 item 2: no prompt-end checkpoint when decode writes one",
     )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines")
@@ -102,20 +107,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_policy(name: str) -> None:
-    """``ValueError`` unless the cache can run eviction policy ``name``."""
-    if name == "lru":
-        return
-    known = sorted(
-        c.__name__
-        for c in vars(eviction).values()
-        if isinstance(c, type) and issubclass(c, eviction.EvictionPolicy)
-        if c is not eviction.EvictionPolicy
-    )
-    raise ValueError(
-        f"--policy {name}: not implemented yet: mesh_hicache has no cost-aware eviction "
-        f"policy that HiCacheConfig can select (EvictionPolicy implementations: {known})"
-    )
+def make_policy(name: str, prof: ModelProfile, alpha: float) -> str | eviction.EvictionPolicy:
+    """What ``HiCacheConfig.eviction_policy`` gets for ``--policy name``."""
+    if name == "marconi":
+        return eviction.MarconiPolicy(prof.cost_model(), alpha)
+    if name not in POLICIES:
+        raise ValueError(f"--policy {name!r}; choose from {POLICIES}")
+    return name
 
 
 def model_profile(args: argparse.Namespace) -> ModelProfile:
@@ -133,9 +131,15 @@ def one_rank_topology() -> MeshTopology:
 
 
 def replay(
-    args: argparse.Namespace, prof: ModelProfile, trace: list[TraceRequest]
+    args: argparse.Namespace,
+    prof: ModelProfile,
+    trace: list[TraceRequest],
+    policy: str | None = None,
+    alpha: float | None = None,
 ) -> dict[str, Any]:
-    """Replay ``trace`` and return the result numbers (see the module docstring)."""
+    """Replay ``trace`` and return the result numbers (see the module docstring);
+    ``policy`` / ``alpha`` override ``args.policy`` / ``args.alpha``."""
+    name = policy or args.policy
     cache = budget_cache(
         one_rank_topology(),
         prof,
@@ -143,9 +147,10 @@ def replay(
         args.device_bytes,
         args.host_bytes,
         args.state_share,
+        make_policy(name, prof, args.alpha if alpha is None else alpha),
     )
     cfg = cache.config
-    player = Replayer(cache, fit_first=args.probe_fit_first, decode_first=args.probe_decode_first)
+    player = Replayer(cache)
     input_tokens = reused_total = uncached = checkpoints = 0
     flops_total = 0
     tier_tokens = dict.fromkeys(TIERS, 0)
@@ -182,6 +187,7 @@ def replay(
     device_slots = cfg.mamba_device_slots() if prof.has_ssm else 0
     flops_saved = sum(tier_flops.values())
     return {
+        "policy": name if name != "marconi" else f"marconi(alpha={alpha})",
         "token_hit_rate": reused_total / input_tokens if input_tokens else 0.0,
         "flops_saved": flops_saved,
         "flops_saved_fraction": flops_saved / flops_total if flops_total else 0.0,
@@ -220,12 +226,40 @@ def replay(
     }
 
 
+def parse_alphas(text: str) -> list[float]:
+    """``"0.5,1,2"`` -> [0.5, 1.0, 2.0]; ValueError naming the text otherwise."""
+    try:
+        alphas = [float(a) for a in text.split(",") if a.strip()]
+    except ValueError:
+        raise ValueError(f"--baselines {text!r}: expected comma-separated numbers") from None
+    if not alphas or min(alphas) < 0:
+        raise ValueError(f"--baselines {text!r}: expected alphas >= 0")
+    return alphas
+
+
+def baselines(
+    args: argparse.Namespace, prof: ModelProfile, trace: list[TraceRequest], alphas: list[float]
+) -> dict[str, Any]:
+    """LRU and Marconi at every alpha on the same trace and budgets: the headline numbers
+    of each, and ``marconi_best`` (the alpha with the best hit rate, ties: more FLOPs)."""
+    keys = ("token_hit_rate", "flops_saved", "uncached_requests", "wall_s")
+    out: dict[str, Any] = {"lru": {k: replay(args, prof, trace, "lru")[k] for k in keys}}
+    marconi = {}
+    for alpha in alphas:
+        r = replay(args, prof, trace, "marconi", alpha)
+        marconi[str(alpha)] = {k: r[k] for k in keys}
+    out["marconi"] = marconi
+    best = max(marconi, key=lambda a: (marconi[a]["token_hit_rate"], marconi[a]["flops_saved"]))
+    out["marconi_best"] = dict(marconi[best], alpha=float(best))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
-        check_policy(args.policy)
+        alphas = parse_alphas(args.baselines) if args.baselines is not None else None
         prof = model_profile(args)
         trace = list(read_jsonl(args.trace))
         if args.limit > 0:
@@ -233,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         if not trace:
             raise ValueError(f"{args.trace}: no requests")
         results = replay(args, prof, trace)
+        if alphas is not None:
+            results["baselines"] = baselines(args, prof, trace, alphas)
     except (ValueError, OSError) as err:
         print(f"bench_hitrate: error: {err}", file=sys.stderr)
         return 2
@@ -241,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     flat = {k: v for k, v in results.items() if not isinstance(v, dict)}
     for tier, values in results["per_tier"].items():
         flat[f"{tier}_token_hit_rate"] = values["token_hit_rate"]
+    if "baselines" in results:
+        base = results["baselines"]
+        flat["lru_token_hit_rate"] = base["lru"]["token_hit_rate"]
+        flat["lru_flops_saved"] = base["lru"]["flops_saved"]
+        flat["marconi_best_alpha"] = base["marconi_best"]["alpha"]
+        flat["marconi_best_token_hit_rate"] = base["marconi_best"]["token_hit_rate"]
+        flat["marconi_best_flops_saved"] = base["marconi_best"]["flops_saved"]
     print(bench_common.key_value_table(flat))
     if args.json:
         bench_common.write_json(result, args.json)

@@ -209,8 +209,12 @@ class CostPolicy(EvictionPolicy):
         return (stats.inflation + self.value(stats, target), stats.last_access)
 
 
-def make_policy(kind: str, cost: CostModel) -> EvictionPolicy:
-    """The policy named by ``kind`` (``choices.EvictionPolicyKind`` values)."""
+def make_policy(kind: str | EvictionPolicy, cost: CostModel) -> EvictionPolicy:
+    """The policy named by ``kind`` (``choices.EvictionPolicyKind`` values), or ``kind``
+    itself when it is a policy already."""
+    if isinstance(kind, EvictionPolicy):
+        return kind
+    kind = str(kind)
     if kind == "lru":
         return LRUPolicy()
     if kind == "lfu":

@@ -169,9 +169,30 @@ def test_bench_hitrate_end_to_end(single_rank_group, tmp_path, capsys):
 def test_bench_hitrate_errors(single_rank_group, tmp_path, capsys):
     path = str(tmp_path / "chat.jsonl")
     write_jsonl(make_trace(trace_shape("chat", sessions=2), seed=0), path)
-    assert bench_hitrate.main([path, "--device-bytes", "1GB", "--policy", "cost"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert bench_hitrate.main([path, "--device-bytes", "1GB", "--baselines", "1,x"]) == 2
+    assert "--baselines '1,x'" in capsys.readouterr().err
     assert bench_hitrate.main([path, "--device-bytes", "1MB"]) == 2
     assert "not even one page" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_hitrate.main([path, "--device-bytes", "lots"])
+
+
+def test_bench_hitrate_policies_and_baselines(single_rank_group, tmp_path, capsys):
+    trace = make_trace(trace_shape("chat", sessions=12), seed=0)
+    path = str(tmp_path / "chat.jsonl")
+    write_jsonl(trace, path)
+    out = str(tmp_path / "r.json")
+    args = [path, "--device-bytes", "1GB", "--state-share", "0.2", "--json", out]
+    assert bench_hitrate.main([*args, "--policy", "cost", "--baselines", "0.5,2"]) == 0
+    r = bench_common.read_json(out)["results"]
+    assert r["policy"] == "cost" and 0 < r["token_hit_rate"] < 1
+    base = r["baselines"]
+    assert set(base["marconi"]) == {"0.5", "2.0"}
+    best = base["marconi_best"]
+    assert best["token_hit_rate"] == max(m["token_hit_rate"] for m in base["marconi"].values())
+    assert best["alpha"] in (0.5, 2.0)
+    # The baselines are replays of their own: lru equals a plain --policy lru run.
+    assert bench_hitrate.main([*args, "--policy", "lru"]) == 0
+    lru = bench_common.read_json(out)["results"]
+    assert lru["token_hit_rate"] == base["lru"]["token_hit_rate"]
+    assert "marconi_best_token_hit_rate" in capsys.readouterr().out

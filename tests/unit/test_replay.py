@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.radix.eviction import CostModel
 from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine
@@ -211,34 +214,64 @@ def test_share_split_gives_states_their_share():
         share_split(10**9, pb, sb, 0.01)
 
 
-def test_fit_first_probe_keeps_the_cache_when_a_request_cannot_fit(topology):
+def test_a_request_that_cannot_fit_keeps_the_cache(topology):
     config = HiCacheConfig(device_pages=8, device_mamba_slots=4, enable_host=False)
     first = list(range(1, 61))
-    reused = {}
-    for fit_first in (False, True):
-        cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
-        player = Replayer(cache, fit_first=fit_first)
-        player.serve(first, [61, 62, 63, 64])
-        huge = player.serve(list(range(1000, 1200)), [1])  # 13 pages > 8: never fits
-        assert not huge.paged
-        reused[fit_first] = player.serve(first + [61, 62, 63, 64, 65], [1]).reused_tokens
-        cache.close()
-    # Today the hopeless request evicts everything first (issue 16 item 3); the probe not.
-    assert reused == {False: 0, True: 48}
+    cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
+    player = Replayer(cache)
+    player.serve(first, [61, 62, 63, 64])
+    huge = player.serve(list(range(1000, 1200)), [1])  # 13 pages > 8: never fits
+    assert not huge.paged
+    # Fit before evict (tiers/alloc.py): the hopeless request evicted nothing.
+    assert player.serve(first + [61, 62, 63, 64, 65], [1]).reused_tokens == 48
+    cache.close()
 
 
-def test_decode_first_probe_drops_the_prompt_end_checkpoint(topology):
+def test_admission_writes_the_prompt_end_checkpoint_only_without_a_decode_one(topology):
     prompt, output = list(range(1, 41)), list(range(100, 130))  # decode reaches 48 and 64
-    for decode_first, checkpoints in ((False, 2), (True, 1)):
-        cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), CONFIGS["l1"])
-        player = Replayer(cache, decode_first=decode_first)
-        assert player.serve(prompt, output).checkpoints == checkpoints
-        # The next turn reuses the decode checkpoint either way.
-        assert player.serve(prompt + output + [7, 8], [1]).reused_tokens == 64
-        cache.close()
+    cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), CONFIGS["l1"])
+    player = Replayer(cache)
+    assert player.serve(prompt, output).checkpoints == 1  # only the decode one (at 64)
+    # The next turn resumes from the decode checkpoint.
+    assert player.serve(prompt + output + [7, 8], [1]).reused_tokens == 64
+    cache.close()
     # Without a decode boundary ahead the prompt-end checkpoint stays.
     cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), CONFIGS["l1"])
-    player = Replayer(cache, decode_first=True)
+    player = Replayer(cache)
     assert player.serve(prompt, [1, 2]).checkpoints == 1
     assert player.serve(prompt + [1, 2, 3], [1]).reused_tokens == 32
     cache.close()
+    # A repeat of the prompt (not a continuation) branches off the cached path at 32,
+    # where there is no state: that branch checkpoint serves the repeat after it.
+    cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), CONFIGS["l1"])
+    player = Replayer(cache)
+    player.serve(prompt, output)
+    assert player.serve(prompt, output).reused_tokens == 0
+    assert player.serve(prompt, output).reused_tokens == 32
+    cache.close()
+
+
+def _with_cost(config: HiCacheConfig, spec_of: str = "SSASSSAS") -> HiCacheConfig:
+    # The engine's and the replay's specs differ (tiny tensors): both rank by the model's
+    # numbers, as the runtime passes them.
+    cost = CostModel.from_spec(preset("tiny", layer_pattern=spec_of).state_spec(PAGE))
+    return dataclasses.replace(config, eviction_policy="cost", cost_model=cost)
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+@pytest.mark.parametrize("shape", ["agent", "chat"])
+def test_replay_under_the_cost_policy_reuses_what_the_engine_reuses(topology, shape, config_name):
+    config = _with_cost(CONFIGS[config_name])
+    trace, want, engine_cache = _engine_trace(topology, shape, config)
+    replay_cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
+    player = Replayer(replay_cache)
+    got = [player.serve(r.input_tokens, r.output_tokens).reused for r in trace]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"request {i} (session {trace[i].session_id} turn {trace[i].turn})"
+    assert replay_cache.digest() == engine_cache.digest()
+    assert sum(sum(w) for w in want) > 0
+    stats = engine_cache.stats()
+    assert stats.evicted_device_pages + stats.evicted_device_slots > 0
+    for cache in (engine_cache, replay_cache):
+        cache.check_integrity()
+        cache.close()

@@ -1,0 +1,290 @@
+"""Cost-aware eviction: CostModel, CostPolicy (GreedyDual-Size), MarconiPolicy, the config."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from mesh_hicache.cache import HiCache
+from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.radix import EvictTarget, Family, PoolUsage, RadixKey, RadixTree, Tier
+from mesh_hicache.radix.eviction import (
+    CostModel,
+    CostPolicy,
+    LRUPolicy,
+    MarconiPolicy,
+    NodeStats,
+    make_policy,
+)
+from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
+from mesh_hicache.testing import internals
+
+PS = 4
+#: KV of one page = 4 bytes, a state = 40 bytes: a state costs 10 pages.
+COST = CostModel(kv_bytes_per_token=1.0, state_bytes=40.0, flops_per_token=100.0, flops_per_key=1.0)
+
+
+def key(tokens: list[int] | range) -> RadixKey:
+    return RadixKey(tuple(tokens))
+
+
+class Pools:
+    """Fresh indices for pages and slots."""
+
+    def __init__(self) -> None:
+        self._pages = itertools.count()
+        self._slots = itertools.count()
+
+    def pages(self, n: int) -> list[int]:
+        return [next(self._pages) for _ in range(n)]
+
+    def slot(self) -> int:
+        return next(self._slots)
+
+
+def test_cost_model_flops_is_the_per_position_sum():
+    for start, end in [(0, 0), (0, 1), (3, 17), (100, 356)]:
+        want = sum(COST.flops_per_token + COST.flops_per_key * (t + 1) for t in range(start, end))
+        assert COST.flops(start, end) == want
+    assert COST.flops(5, 2) == 0.0
+
+
+def test_cost_model_from_spec_counts_the_spec_bytes():
+    kv = KVSpec(layer_ids=(0, 2), num_kv_heads=2, head_dim=8, dtype=torch.float16)
+    mamba = MambaSpec(
+        layer_ids=(1,), conv_dim=8, conv_kernel=4, num_heads=2, head_dim=4, state_dim=16
+    )
+    cost = CostModel.from_spec(StateSpec(page_size=PS, kv=kv, mamba=mamba))
+    assert cost.kv_bytes_per_token == 2 * 2 * 2 * 8 * 2  # layers x (K, V) x heads x dim x fp16
+    assert cost.state_bytes == (8 * 3 + 2 * 4 * 16) * 4  # conv (kernel - 1) + ssm, fp32
+    assert cost.flops_per_token > 0 and cost.flops_per_key > 0
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(kv_bytes_per_token=0.0), dict(flops_per_token=-1.0), dict(state_bytes=-1.0)]
+)
+def test_cost_model_rejects_bad_numbers(bad):
+    fields = dict(kv_bytes_per_token=1.0, state_bytes=1.0, flops_per_token=1.0) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        CostModel(**fields)
+
+
+def test_value_counts_tokens_back_to_the_nearest_state_and_the_bytes_freed():
+    policy = CostPolicy(COST)
+    leaf = NodeStats(0, 0, 8, True, prefix_len=24, anchor_len=16, is_leaf=True, serves=True)
+    # A leaf frees its pages and its state for either target.
+    want = COST.flops(16, 24) / (8 + 40)
+    assert policy.value(leaf, EvictTarget.DEVICE_KV) == pytest.approx(want)
+    assert policy.value(leaf, EvictTarget.MAMBA_DEVICE) == pytest.approx(want)
+    # An inner node's state eviction frees only the state.
+    inner = leaf._replace(is_leaf=False)
+    assert policy.value(inner, EvictTarget.MAMBA_DEVICE) == pytest.approx(COST.flops(16, 24) / 40)
+    # A node no hit can end at (a tombstone) saves nothing.
+    assert (
+        policy.value(leaf._replace(serves=False, has_mamba_state=False), EvictTarget.DEVICE_KV) == 0
+    )
+    # Priority: the clock at the last access plus the value.
+    aged = leaf._replace(inflation=7.5)
+    assert policy.priority(aged, EvictTarget.DEVICE_KV)[0] == pytest.approx(7.5 + want)
+
+
+def test_cost_policy_keeps_what_saves_more_per_byte_where_lru_keeps_the_newest():
+    # Root -> long (8 pages, state) and short (1 page, state), short touched last: LRU
+    # evicts long, the cost policy evicts short (its hit saves 4 tokens for 44 bytes).
+    victims = {}
+    for policy in (LRUPolicy(), CostPolicy(COST)):
+        tree = RadixTree(PS, has_mamba=True, policy=policy)
+        pools = Pools()
+        long_key, short_key = list(range(1, 33)), [99, 98, 97, 96]
+        tree.insert(key(long_key), pools.pages(8), mamba_device_slot=pools.slot())
+        tree.insert(key(short_key), pools.pages(1), mamba_device_slot=pools.slot())
+        tree.evict_device(1)
+        victims[type(policy).__name__] = [len(n.data) // 8 for n in tree.iter_nodes()]
+        tree.check_integrity()
+    assert victims == {"LRUPolicy": [4], "CostPolicy": [32]}
+
+
+def test_anchor_is_the_nearest_ancestor_with_a_state():
+    tree = RadixTree(PS, has_mamba=True, policy=CostPolicy(COST))
+    pools = Pools()
+    base = list(range(1, 17))  # 4 pages, with a state
+    tree.insert(key(base), pools.pages(4), mamba_device_slot=pools.slot())
+    mid = base + [50] * 8  # 2 pages, no state
+    tree.insert(key(mid), pools.pages(6))
+    leaf = mid + [60] * 4
+    r = tree.insert(key(leaf), pools.pages(7), mamba_device_slot=pools.slot())
+    queues = internals_queues(tree)
+    stats = queues.stats(r.node, EvictTarget.DEVICE_KV)
+    assert (stats.prefix_len, stats.anchor_len, stats.is_leaf) == (28, 16, True)
+    # Without a state at ``base`` the leaf would fall back to the zero state at 0.
+    base_node = tree.node_at(key(base))
+    assert base_node is not None
+    tree.detach(base_node, Tier.DEVICE, Family.STATE)
+    assert not base_node.has_mamba_state and r.node.has_mamba_state
+    queues.update(r.node)
+    assert queues.stats(r.node, EvictTarget.DEVICE_KV).anchor_len == 0
+    # Without Mamba the parent serves instead.
+    plain = RadixTree(PS, has_mamba=False, policy=CostPolicy(COST))
+    plain.insert(key(base), pools.pages(4))
+    r = plain.insert(key(mid), pools.pages(6))
+    assert internals_queues(plain).stats(r.node, EvictTarget.DEVICE_KV).anchor_len == 16
+    tree.check_integrity()
+    plain.check_integrity()
+
+
+def internals_queues(tree: RadixTree):
+    return tree._queues  # the tree's queues (read-only use in these tests)
+
+
+def test_the_clock_ages_untouched_nodes():
+    # GreedyDual: each victim's priority becomes the device clock; a node touched after
+    # that carries it, so a valuable node that is never touched again goes eventually.
+    tree = RadixTree(PS, has_mamba=True, policy=CostPolicy(COST))
+    queues = internals_queues(tree)
+    pools = Pools()
+    old = tree.insert(key(range(1000, 1032)), pools.pages(8), mamba_device_slot=pools.slot()).node
+    clocks = []
+    evicted_old_at = None
+    for i in range(40):
+        tree.insert(key([i + 1] * 8), pools.pages(2), mamba_device_slot=pools.slot())
+        head = queues.head(EvictTarget.DEVICE_KV)
+        assert head is not None
+        victim = head[-1]
+        res = tree.evict_device(1)
+        assert res.device_pages  # something went: the head
+        clocks.append(queues._steps[0][1][-1])
+        if victim is old:
+            evicted_old_at = i
+            break
+        tree.check_integrity()
+    assert clocks == sorted(clocks) and clocks[-1] > 0
+    assert evicted_old_at is not None and evicted_old_at > 0
+
+
+def test_head_is_what_pop_takes_and_keys_compare_across_families():
+    tree = RadixTree(PS, has_mamba=True, policy=CostPolicy(COST))
+    queues = internals_queues(tree)
+    pools = Pools()
+    rng = random.Random(5)
+    for _ in range(30):
+        toks = [rng.randrange(3)] * 4 + [rng.randrange(6) for _ in range(4 * rng.randrange(1, 4))]
+        m = tree.match_prefix(key(toks))
+        del m
+        tree.insert(key(toks), pools.pages(len(toks) // PS), mamba_device_slot=pools.slot())
+    for target in (EvictTarget.DEVICE_KV, EvictTarget.MAMBA_DEVICE):
+        head = queues.head(target)
+        assert head is not None
+        assert isinstance(head[0], float)  # the same unit for both targets
+        assert queues.pop(target) is head[-1]
+        queues.update(head[-1])  # back in (the tree would have evicted it)
+    tree.check_integrity()
+
+
+def _stress(policy_factory, seed: int) -> tuple[str, list[int]]:
+    """Random matches, inserts, locks and evictions on both tiers; returns the digest
+    and the order of the slots freed, checking every invariant on the way."""
+    tree = RadixTree(PS, has_mamba=True, policy=policy_factory())
+    rng = random.Random(seed)
+    free_dev, free_host = list(range(60)), list(range(200))
+    free_slots, free_hslots = list(range(12)), list(range(40))
+    freed_order: list[int] = []
+    locked = []
+    for step in range(300):
+        toks = [rng.randrange(4)] * 8 + [rng.randrange(5) for _ in range(4 * rng.randrange(1, 5))]
+        tree.match_prefix(key(toks))
+        need = len(toks) // PS
+        if len(free_dev) < need:
+            r = tree.evict_device(need - len(free_dev))
+            free_dev += r.device_pages
+            free_host += r.host_pages
+            free_slots += r.mamba_device_slots
+            free_hslots += r.mamba_host_slots
+            freed_order += r.mamba_device_slots
+        if not free_slots:
+            r = tree.evict_mamba_device(1)
+            free_dev += r.device_pages
+            free_host += r.host_pages
+            free_slots += r.mamba_device_slots
+            free_hslots += r.mamba_host_slots
+            freed_order += r.mamba_device_slots
+        if len(free_host) < need or not free_hslots:
+            r = tree.evict_host(max(need - len(free_host), 1))
+            r2 = tree.evict_mamba_host(1)
+            for res in (r, r2):
+                free_dev += res.device_pages
+                free_host += res.host_pages
+                free_slots += res.mamba_device_slots
+                free_hslots += res.mamba_host_slots
+        if len(free_dev) < need or not free_slots or len(free_host) < need or not free_hslots:
+            continue
+        dev = [free_dev.pop() for _ in range(need)]
+        host = [free_host.pop() for _ in range(need)]
+        slot, hslot = free_slots.pop(), free_hslots.pop()
+        r = tree.insert(key(toks), dev, host, mamba_device_slot=slot, mamba_host_slot=hslot)
+        free_dev += r.unused_device_indices
+        free_host += r.unused_host_indices
+        if not r.mamba_device_taken:
+            free_slots.append(slot)
+        if not r.mamba_host_taken:
+            free_hslots.append(hslot)
+        if rng.random() < 0.2:
+            tree.lock(r.node)
+            locked.append(r.node)
+        if locked and rng.random() < 0.3:
+            tree.unlock(locked.pop(0))
+        if step % 25 == 0:
+            tree.check_integrity(
+                device=PoolUsage(capacity=60, free=free_dev),
+                host=PoolUsage(capacity=200, free=free_host),
+                mamba_device=PoolUsage(capacity=12, free=free_slots),
+                mamba_host=PoolUsage(capacity=40, free=free_hslots),
+            )
+    tree.check_integrity()
+    return tree.digest(), freed_order
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [lambda: CostPolicy(COST), lambda: MarconiPolicy(COST, 1.0), lambda: MarconiPolicy(COST, 0.0)],
+    ids=["cost", "marconi", "marconi-alpha0"],
+)
+def test_random_operations_keep_invariants_and_are_deterministic(factory):
+    a = _stress(factory, seed=11)
+    assert a == _stress(factory, seed=11)
+    assert a[1], "the run must evict states"
+    assert a != _stress(lambda: LRUPolicy(), seed=11)  # the policy decided something
+
+
+def test_marconi_selects_by_normalized_recency_and_efficiency():
+    policy = MarconiPolicy(COST, alpha=2.0)
+    # (last_access, value, id, node): the oldest has the best value, the newest the worst.
+    entries = [(1, 10.0, 0, None), (5, 5.0, 1, None), (9, 0.0, 2, None)]
+    # scores: 0 + 2*1 = 2, 0.5 + 2*0.5 = 1.5, 1 + 0 = 1 -> the newest goes
+    assert policy.select(entries, EvictTarget.DEVICE_KV) == 2
+    assert MarconiPolicy(COST, alpha=0.1).select(entries, EvictTarget.DEVICE_KV) == 0
+    with pytest.raises(ValueError, match="alpha"):
+        MarconiPolicy(COST, alpha=-1)
+
+
+def test_config_selects_the_policy(one_rank_topology):
+    kv = KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=2)
+    mamba = MambaSpec(
+        layer_ids=(1,), conv_dim=2, conv_kernel=2, num_heads=1, head_dim=2, state_dim=2
+    )
+    spec = StateSpec(page_size=PS, kv=kv, mamba=mamba)
+    for name, kind in (("lru", LRUPolicy), ("cost", CostPolicy)):
+        config = HiCacheConfig(device_pages=8, enable_host=False, eviction_policy=name)
+        cache = HiCache(one_rank_topology, spec, config)
+        assert type(internals(cache).tree.policy) is kind
+        cache.close()
+    given = MarconiPolicy(COST, 0.5)
+    config = HiCacheConfig(device_pages=8, enable_host=False, eviction_policy=given)
+    assert make_policy(config.eviction_policy, COST) is given
+    assert isinstance(make_policy("cost", COST), CostPolicy)
+    with pytest.raises(ValueError, match="eviction_policy"):
+        HiCacheConfig(device_pages=8, eviction_policy="fifo")
+    with pytest.raises(TypeError, match="cost_model"):
+        HiCacheConfig(device_pages=8, cost_model={"flops_per_token": 1})
