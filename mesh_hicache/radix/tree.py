@@ -322,6 +322,13 @@ class RadixTree(TreeCore):
             self._after_state_loss(node, freed)
         return freed.result()
 
+    def eviction_head(self, target: EvictTarget) -> tuple | None:
+        """The current first entry of ``target``'s eviction queue (``(*priority, node.id,
+        node)``), or None when there is no candidate. Read-only for the tree's state:
+        evicts nothing (lazily re-keyed entries move to their place first). One arena
+        holding KV pages and states compares the heads of its targets to pick which to evict."""
+        return self._queues.head(target)
+
     # --------------------------------------------------------------- accessors
 
     def iter_nodes(self) -> Iterator[TreeNode]:

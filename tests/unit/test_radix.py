@@ -281,6 +281,22 @@ def test_lru_order_and_policy() -> None:
     assert LFUPolicy().priority(NodeStats(5, 2, 1, False), EvictTarget.HOST_KV) == (2, 5)
 
 
+def test_eviction_head_names_the_next_victim_without_evicting() -> None:
+    tree = RadixTree(1, has_mamba=True)
+    for t in range(3):
+        tree.insert(key([t]), [t], mamba_device_slot=10 + t)
+    tree.match_prefix(key([0]))  # touched: its stored key is stale until re-keyed
+    digest = tree.digest()
+    head = tree.eviction_head(EvictTarget.DEVICE_KV)
+    assert head is not None and head[-1] is tree.node_at(key([1]))
+    assert tree.eviction_head(EvictTarget.MAMBA_HOST) is None  # no host states
+    assert tree.digest() == digest and tree.num_device_pages == 3
+    tree.check_integrity()
+    assert tree.evict_device(1).device_pages == (1,)
+    head = tree.eviction_head(EvictTarget.DEVICE_KV)
+    assert head is not None and head[-1] is tree.node_at(key([2]))
+
+
 def test_mamba_tier_transitions() -> None:
     tree = RadixTree(1, has_mamba=True)
     n = tree.insert(key([1]), [0], mamba_device_slot=3).node
