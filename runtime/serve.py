@@ -27,6 +27,7 @@ from mesh_hicache import __version__
 from mesh_hicache.cache import HiCache
 from mesh_hicache.choices import CpKvMode, PrefetchPolicy, StorageKind, WritePolicy
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.pools.arena import mesh_plan
 from mesh_hicache.storage.base import load_secret
 from mesh_hicache.topology import MeshTopology
 from runtime.checkpoints import choose_model
@@ -108,6 +109,20 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     """Pool sizes and policies (shared with ``scripts/bench_serving.py``)."""
     p.add_argument("--device-pages", type=int, default=64, help="L1 pages per rank")
     p.add_argument("--host-pages", type=int, default=0, help="L2 pages; 0 = 4 x device pages")
+    p.add_argument(
+        "--device-bytes",
+        type=int,
+        default=0,
+        help="L1 byte budget per rank, one arena shared by KV pages and recurrent states "
+        "(replaces --device-pages; 0: use --device-pages)",
+    )
+    p.add_argument(
+        "--host-bytes",
+        type=int,
+        default=0,
+        help="L2 byte budget per rank, one arena (0: 4 x --device-bytes with a byte "
+        "budget, else --host-pages)",
+    )
     p.add_argument(
         "--write-policy",
         choices=WritePolicy.values(),
@@ -240,8 +255,10 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         if args.storage_secret_file:
             options["secret_file"] = args.storage_secret_file
     return HiCacheConfig(
-        device_pages=args.device_pages,
+        device_pages=0 if args.device_bytes else args.device_pages,
+        device_bytes=args.device_bytes,
         host_pages=args.host_pages,
+        host_bytes=args.host_bytes,
         enable_host=args.cache != "device",
         write_policy=args.write_policy if args.cache != "device" else WritePolicy.WRITE_THROUGH,
         storage=storage,
@@ -308,8 +325,13 @@ def check_args(args: argparse.Namespace) -> None:
     config.check_mesh(
         tp=args.tp, cp=args.cp, pp=args.pp, page_size=args.page_size, cp_kv=args.cp_kv
     )
-    config.state_spec(args.page_size)
-    cache_config(args)
+    spec = config.state_spec(args.page_size)
+    cfg = cache_config(args)
+    if cfg is not None:  # a byte budget must hold a page and a state on every rank
+        shape = (args.pp, args.cp, args.tp)
+        for budget in (cfg.device_bytes, cfg.host_arena_bytes() if cfg.enable_host else 0):
+            if budget:
+                mesh_plan(spec, shape, args.cp_kv, budget, cfg.block_bytes)
     workload(args, config.vocab_size)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -323,6 +345,8 @@ def check_run_flags(args: argparse.Namespace) -> None:
         "--log-every": (args.log_every, 1),
         "--threads": (args.threads, 0),
         "--host-pages": (args.host_pages, 0),
+        "--device-bytes": (args.device_bytes, 0),
+        "--host-bytes": (args.host_bytes, 0),
         "--prefetch-threshold": (args.prefetch_threshold, 0),
         "--mooncake-segment-bytes": (args.mooncake_segment_bytes, 0),
         "--mooncake-buffer-bytes": (args.mooncake_buffer_bytes, 0),
@@ -449,8 +473,9 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
         trace = workload(args, config.vocab_size)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)
     log = logging.getLogger("runtime.serve")
+    l1_pages = cache.device.max_pages if cache is not None else 0  # an empty L1's pages
     if leader and cache is not None:
-        for warning in fit_warnings(trace, args.max_new_tokens, args.page_size, args.device_pages):
+        for warning in fit_warnings(trace, args.max_new_tokens, args.page_size, l1_pages):
             log.warning("runtime.serve: warning: %s", warning)
     done: list[RequestResult] = []
     watch = StorageWatch()
@@ -476,8 +501,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
         results, wall, stats = serve_trace(engine, trace, progress)
     summary = summarize(results, wall)
     summary["requests_uncached_l1"] = sum(
-        cache is None
-        or too_long_for_l1(r.prompt_len + len(r.output_ids), args.page_size, args.device_pages)
+        cache is None or too_long_for_l1(r.prompt_len + len(r.output_ids), args.page_size, l1_pages)
         for r in results
     )
     summary["requests_no_hit"] = sum(r.cached == 0 for r in results)

@@ -264,7 +264,7 @@ def serve_one(
     uncached, with one warning per server."""
     cache = engine.cache
     if cache is not None and too_long_for_l1(
-        len(prompt) + max_new_tokens, cache.page_size, cache.config.device_pages
+        len(prompt) + max_new_tokens, cache.page_size, cache.device.max_pages
     ):
         with counters.lock:
             first = not counters.warned_l1
@@ -275,7 +275,7 @@ def serve_one(
                 "not fit L1 (--device-pages %d x --page-size %d): served uncached; raise "
                 "--device-pages to at least %d (further ones are counted as uncached)",
                 len(prompt) + max_new_tokens,
-                cache.config.device_pages,
+                cache.device.max_pages,
                 cache.page_size,
                 pages_needed(len(prompt) + max_new_tokens, cache.page_size),
             )

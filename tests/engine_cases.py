@@ -21,6 +21,8 @@ import torch
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.layout import StateLayout
+from mesh_hicache.pools.arena import ArenaPlan
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
 from runtime.model import HybridModel
@@ -57,10 +59,13 @@ def resume_scenarios(
     cp_kv: str = "replicate",
     root: str | None = None,
     checkpoint: str | None = None,
+    budget: bool = False,
 ) -> list[Check]:
     """L1, L2 and L3 hits, aligned and unaligned prompts, eviction and reload cycles.
 
     ``checkpoint``: a Hugging Face checkpoint directory to serve instead of ``tiny``.
+    ``budget``: L1 and L2 are byte budgets (one arena each) instead of page/slot counts,
+    sized so that L1 again holds about one request.
     """
     if checkpoint is None:
         config = preset("tiny")
@@ -74,10 +79,12 @@ def resume_scenarios(
     ref = Engine(model, None, max_new_tokens=4, keep_logits=True)
     spec = config.state_spec(PAGE)
     root = root or tempfile.mkdtemp(prefix="mh_engine_")
+    pools: dict[str, int] = dict(device_pages=12, device_mamba_slots=8, host_pages=128)
+    if budget:
+        page, state = ArenaPlan.item_bytes(StateLayout(spec, topology, cp_kv))
+        pools = dict(device_bytes=12 * page + 2 * state, host_bytes=128 * page + 32 * state)
     cfg = HiCacheConfig(
-        device_pages=12,
-        device_mamba_slots=8,
-        host_pages=128,
+        **pools,
         storage="file",
         storage_options={"root": root},
         prefetch_threshold=16,

@@ -18,7 +18,8 @@ import torch
 
 from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit, tenant_namespace
 from mesh_hicache.config import HiCacheConfig
-from mesh_hicache.layout import RegionName
+from mesh_hicache.layout import RegionName, StateLayout
+from mesh_hicache.pools.arena import ArenaPlan
 from mesh_hicache.radix import RadixKey
 from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
 from mesh_hicache.storage.base import StorageBackend
@@ -74,6 +75,24 @@ def make_config(root: Path | str | None = None, **overrides: Any) -> HiCacheConf
         kw.update(storage="file", storage_options={"root": str(root)})
     kw.update(overrides)
     return HiCacheConfig(**kw)
+
+
+def budget_overrides(spec: StateSpec | None = None, **counts: int) -> dict[str, int]:
+    """``make_config`` overrides that replace the fixed pools by byte budgets of the same
+    bytes (one arena per tier): ``device_pages``/``device_mamba_slots``/``host_pages``/
+    ``host_mamba_slots`` as in ``make_config`` unless given."""
+    n = dict(device_pages=8, device_mamba_slots=4, host_pages=16, host_mamba_slots=8)
+    n.update(counts)
+    layout = StateLayout.for_coords(spec or make_spec(), (1, 1, 1), (0, 0, 0))
+    page, slot = ArenaPlan.item_bytes(layout)
+    return dict(
+        device_pages=0,
+        device_mamba_slots=0,
+        host_pages=0,
+        host_mamba_slots=0,
+        device_bytes=n["device_pages"] * page + n["device_mamba_slots"] * slot,
+        host_bytes=n["host_pages"] * page + n["host_mamba_slots"] * slot,
+    )
 
 
 # -- recognizable contents ---------------------------------------------------------------
@@ -280,7 +299,7 @@ def pools_fully_free(cache: HiCache) -> bool:
     host = internals(cache).host
     if host is not None:
         allocators += [host.page_allocator, host.slot_allocator]
-    return all(a.num_free == a.capacity for a in allocators)
+    return all(a.num_used == 0 for a in allocators)
 
 
 def _registry_hashes() -> set[str]:

@@ -20,6 +20,7 @@ from mesh_hicache.transfer.engine import TransferKind
 from tests.unit.cache_support import (
     PS,
     RaisingBackend,
+    budget_overrides,
     count_mismatches,
     evict_everything,
     expected_kv,
@@ -153,9 +154,14 @@ def test_write_back_backs_up_only_on_device_eviction(make_cache):
     cache.check_integrity()
 
 
-def test_load_back_restores_kv_and_state_bit_exact(make_cache):
-    # Two device slots: serving C evicts A's device state too (A keeps its host copy).
-    cache = make_cache(write_policy="write_through", device_mamba_slots=2)
+@pytest.mark.parametrize("budget", [False, True], ids=["pools", "byte-budget"])
+def test_load_back_restores_kv_and_state_bit_exact(make_cache, budget):
+    # Two device slots: serving C evicts A's device state too (A keeps its host copy). In
+    # one arena the split follows demand: 6 pages + 2 states' bytes hold B and C only.
+    pools = dict(device_mamba_slots=2)
+    if budget:
+        pools = budget_overrides(device_pages=6, device_mamba_slots=2)
+    cache = make_cache(write_policy="write_through", **pools)
     serve(cache, A)
     serve(cache, B)
     serve(cache, C)
@@ -223,14 +229,16 @@ def test_alloc_waits_for_in_flight_backups_instead_of_failing(make_cache):
 # -- L3 ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("budget", [False, True], ids=["pools", "byte-budget"])
 @pytest.mark.parametrize("policy", PrefetchPolicy.values())
-def test_l3_round_trip_into_a_new_cache(make_cache, tmp_path, policy):
+def test_l3_round_trip_into_a_new_cache(make_cache, tmp_path, policy, budget):
     root = tmp_path / "l3"
-    first = make_cache(root)
+    pools = budget_overrides() if budget else {}
+    first = make_cache(root, **pools)
     serve(first, A, checkpoints=(2, 3))
     first.close()
     assert len(stored_objects(root)) == 3 + 2 * 2  # 3 KV pages, 2 states of 2 regions
-    cache = make_cache(root, prefetch_policy=policy, prefetch_timeout_base_s=30.0)
+    cache = make_cache(root, prefetch_policy=policy, prefetch_timeout_base_s=30.0, **pools)
     poison_free_device(cache)
     req = cache.match(A)
     assert req.hit.storage_tokens == 12 and req.hit.device_tokens == req.hit.host_tokens == 0
@@ -378,10 +386,12 @@ def test_aborted_requests_leak_nothing(make_cache, tmp_path, abort):
     assert internals(cache).tree.num_nodes == 0 and pools_fully_free(cache)
 
 
+@pytest.mark.parametrize("budget", [False, True], ids=["pools", "byte-budget"])
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-def test_random_run_leaks_nothing(make_cache, tmp_path, policy):
+def test_random_run_leaks_nothing(make_cache, tmp_path, policy, budget):
     rng = random.Random(7)
-    cache = make_cache(tmp_path / "l3", write_policy=policy, prefetch_policy="best_effort")
+    pools = budget_overrides() if budget else {}
+    cache = make_cache(tmp_path / "l3", write_policy=policy, prefetch_policy="best_effort", **pools)
     stems = [[rng.randrange(50) for _ in range(PS * rng.randint(1, 2))] for _ in range(4)]
     mismatches = 0
     for i in range(60):

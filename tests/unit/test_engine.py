@@ -17,8 +17,9 @@ from runtime.workloads import Turn
 from tests.engine_cases import ATOL, PAGE, resume_scenarios
 
 
-def test_resume_from_every_tier_equals_recompute(one_rank_topology, tmp_path):
-    checks = resume_scenarios(one_rank_topology, root=str(tmp_path))
+@pytest.mark.parametrize("budget", [False, True], ids=["pools", "byte-budget"])
+def test_resume_from_every_tier_equals_recompute(one_rank_topology, tmp_path, budget):
+    checks = resume_scenarios(one_rank_topology, root=str(tmp_path), budget=budget)
     for c in checks:
         assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
         assert c.max_diff < ATOL, f"{c.label}: logits differ by {c.max_diff}"
