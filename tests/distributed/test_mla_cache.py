@@ -126,3 +126,51 @@ def test_one_writer_per_distinct_shard_and_every_rank_local_shard(
             assert not wrote & {"kv", "indexer"}, (o["coords"], wrote)
             assert ("mamba_ssm" in wrote) == (recurrent and o["coords"][1] == 0), o["coords"]
     assert sum(o["puts"] for o in out) == sum(files.values()) + layouts
+
+
+# -- reshard on read: the replicated and rank-local families across meshes ---------------
+
+
+def _write(mesh: Any, root: str, cp_kv: str) -> None:
+    cache = HiCache(
+        MeshTopology.from_mesh(mesh), make_mla_spec(recurrent=True), make_config(root, cp_kv=cp_kv)
+    )
+    for tokens in PROMPTS:
+        serve(cache, tokens, checkpoints=tuple(sorted({2, len(tokens) // PS})))
+    cache.flush()
+    cache.close()
+
+
+def _read(mesh: Any, root: str, cp_kv: str) -> dict[str, Any]:
+    cfg = make_config(root, cp_kv=cp_kv, prefetch_policy="wait_complete")
+    cache = HiCache(MeshTopology.from_mesh(mesh), make_mla_spec(recurrent=True), cfg)
+    got = [serve(cache, tokens) for tokens in PROMPTS]
+    cache.check_integrity()
+    out = {
+        "served": [tuple(g.served) for g in got],
+        "mismatches": sum(g.mismatches for g in got),
+        "resharded": cache.stats().storage_resharded_tokens,
+    }
+    cache.close()
+    return out
+
+
+RESHARD = [
+    ((1, 1, 2), "replicate", (1, 2, 1), "shard"),
+    ((1, 2, 2), "shard", (2, 1, 1), "replicate"),
+]
+
+
+@pytest.mark.parametrize(
+    ("writer", "w_kv", "reader", "r_kv"),
+    RESHARD,
+    ids=[f"{'x'.join(map(str, w))}{a[0]}->{'x'.join(map(str, r))}{b[0]}" for w, a, r, b in RESHARD],
+)
+def test_mixed_spec_is_read_bit_exact_under_another_mesh(tmp_path, writer, w_kv, reader, r_kv):
+    root = str(tmp_path / "l3")
+    run_on_mesh(writer, _write, root, w_kv, timeout=120)
+    out = run_on_mesh(reader, _read, root, r_kv, timeout=120)
+    want = [(0, 0, len(t)) for t in PROMPTS]
+    for o in out:
+        assert o["mismatches"] == 0 and o["served"] == want, o
+        assert o["resharded"] == sum(len(t) for t in PROMPTS), o
