@@ -54,13 +54,6 @@ Allocator = PageAllocator | ArenaIds
 Queue = tuple[EvictTarget, Callable[[int], int]]
 
 
-def _queue_head(tree: RadixTree, target: EvictTarget) -> tuple | None:
-    """The first entry of ``target``'s eviction queue, ``(*priority, node.id, node)``."""
-    # Interim: reaches the tree's queues until RadixTree.eviction_head (a read-only
-    # pass-through, requested from the tree's owner) exists.
-    return tree._queues.head(target)
-
-
 class CacheFull(RuntimeError):
     """Not enough device pages or slots even after eviction (agreed on every rank)."""
 
@@ -235,7 +228,11 @@ class TierAllocator:
         ids = dev.page_allocator if pages else dev.slot_allocator
         if dev.arena is None:
             own = self._evict_device_pages if pages else self._evict_device_slots
-            return lambda n: own(n - ids.num_free) and None
+
+            def shortfall(n: int) -> None:
+                own(n - ids.num_free)  # a fixed pool: evict its own kind only
+
+            return shortfall
         queues = (
             (EvictTarget.DEVICE_KV, self._evict_device_pages),
             (EvictTarget.MAMBA_DEVICE, self._evict_device_slots),
@@ -249,7 +246,11 @@ class TierAllocator:
         ids = host.page_allocator if pages else host.slot_allocator
         if host.arena is None:
             own = self._evict_host_pages if pages else self._evict_host_slots
-            return lambda n: own(n - ids.num_free) and None
+
+            def shortfall(n: int) -> None:
+                own(n - ids.num_free)  # a fixed pool: evict its own kind only
+
+            return shortfall
         queues = (
             (EvictTarget.HOST_KV, self._evict_host_pages),
             (EvictTarget.MAMBA_HOST, self._evict_host_slots),
@@ -261,7 +262,7 @@ class TierAllocator:
         first, KV), until ``n`` items of ``ids`` fit or no queue can free anything."""
         live = list(queues)
         while live and not ids.can_allocate(n):
-            heads = [(_queue_head(self._tree, target), q) for q, (target, _) in enumerate(live)]
+            heads = [(self._tree.eviction_head(target), q) for q, (target, _) in enumerate(live)]
             ranked = [(head[:-2], q) for head, q in heads if head is not None]
             if not ranked:
                 return
