@@ -192,15 +192,16 @@ def test_host_rows_are_contiguous_views_of_one_buffer():
     assert int(buffer.eq(7).sum()) == sum(r.row_bytes for r in lay.regions)
 
 
-@pytest.mark.parametrize("host_arena", [True, False])
-def test_backup_and_load_between_arenas_are_bit_exact(host_arena):
+def arena_round_trip(device: str, host_arena: bool, pinned: bool, make_engine) -> None:
+    """Random bits in 3 pages and 2 states of a device arena -> host (arena or fixed) ->
+    back into other device ids: bit-exact. Shared with tests/gpu/test_arena_cuda.py."""
     lay = layout()
     gen = torch.Generator().manual_seed(3)
-    dev = DevicePools(lay, arena=plan_of(20_000))
+    dev = DevicePools(lay, arena=plan_of(20_000), device=device)
     if host_arena:
-        host = HostPools(lay, arena=plan_of(60_000), pinned=False)
+        host = HostPools(lay, arena=plan_of(60_000), pinned=pinned)
     else:
-        host = HostPools(lay, num_pages=9, num_slots=4, pinned=False)
+        host = HostPools(lay, num_pages=9, num_slots=4, pinned=pinned)
     pages, slots = dev.page_allocator.allocate(3), dev.slot_allocator.allocate(2)
     kv_layers = dev.layers(Family.KV)
     views = [(fn, layer) for layer in kv_layers for fn in (dev.k, dev.v)] + [(dev.indexer, 2)]
@@ -210,25 +211,35 @@ def test_backup_and_load_between_arenas_are_bit_exact(host_arena):
         for fn, layer in fns:
             t = fn(layer)[ids]
             raw = torch.randint(0, 256, (t.numel() * t.element_size(),), generator=gen)
-            fn(layer)[ids] = raw.to(torch.uint8).view(t.dtype).view(t.shape)
+            fn(layer)[ids] = raw.to(torch.uint8).view(t.dtype).view(t.shape).to(device)
 
     fill(pages, views)
     fill(slots, state_views)
-    want = [fn(layer)[pages].clone() for fn, layer in views]
-    want_state = [fn(layer)[slots].clone() for fn, layer in state_views]
+    want = [fn(layer)[pages].cpu() for fn, layer in views]
+    want_state = [fn(layer)[slots].cpu() for fn, layer in state_views]
     host_pages, host_slots = host.page_allocator.allocate(3), host.slot_allocator.allocate(2)
-    with CpuTransferEngine(dev, host) as engine:
+    with make_engine(dev, host) as engine:
         assert engine.backup((pages, host_pages), (slots, host_slots)).wait()
         dev.page_allocator.free(pages)
         dev.slot_allocator.free(slots)
-        dev.slot_allocator.allocate(1)  # other ids this time
+        dev.page_allocator.allocate(1)  # other ids this time
+        dev.slot_allocator.allocate(1)
         new_pages, new_slots = dev.page_allocator.allocate(3), dev.slot_allocator.allocate(2)
-        assert new_slots != slots
+        assert new_pages != pages and new_slots != slots
+        for fn, layer in views:  # what is not loaded back must not survive
+            fn(layer)[new_pages] = 0
+        for fn, layer in state_views:
+            fn(layer)[new_slots] = 0
         assert engine.load((new_pages, host_pages), (new_slots, host_slots)).wait()
-    got = [fn(layer)[new_pages] for fn, layer in views]
-    got_state = [fn(layer)[new_slots] for fn, layer in state_views]
+    got = [fn(layer)[new_pages].cpu() for fn, layer in views]
+    got_state = [fn(layer)[new_slots].cpu() for fn, layer in state_views]
     for a, b in zip(want + want_state, got + got_state, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("host_arena", [True, False])
+def test_backup_and_load_between_arenas_are_bit_exact(host_arena):
+    arena_round_trip("cpu", host_arena, False, CpuTransferEngine)
 
 
 # -- the config --------------------------------------------------------------------------
