@@ -84,3 +84,23 @@ def test_resume_from_every_tier_on_a_mesh(tmp_path: Path, shape, cp_kv: str) -> 
 
     directory = deepseek_cases.build(tmp_path)
     _check_resume(shape, directory, cp_kv, tmp_path / "l3", timeout=500)
+
+
+def test_l3_written_under_one_mesh_serves_another(tmp_path: Path) -> None:
+    """Written by 1x2x2 (cp_kv=shard, the latent and keys split over cp), read by 2x1x1:
+    the reader reshards every hit and still gives transformers' tokens."""
+    directory = deepseek_cases.build(tmp_path)
+    _tokenizer(directory)
+    requests = _requests()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
+    want = _expected(directory, requests)
+    storage = tmp_path / "l3"
+    writer = ("--cp", "2", "--tp", "2", "--cp-kv", "shard")
+    first = _serve(directory, prompts, storage, tmp_path / "first.json", *writer)
+    assert [r["output_ids"] for r in first["requests"]] == want
+    again = _serve(directory, prompts, storage, tmp_path / "again.json", "--pp", "2")
+    summary = again["summary"]
+    assert summary["cached_storage"] > 0
+    assert summary["storage_resharded_tokens"] == summary["cached_storage"]
+    assert [r["output_ids"] for r in again["requests"]] == want
