@@ -10,15 +10,18 @@ its insert, release. Only the model's compute and the tensor copies are skipped,
 tree, the allocators and eviction see the same sequence of decisions as in the engine
 (``tests/unit/test_replay.py`` checks that request by request on the ``tiny`` model).
 
-Pools are built from a *tiny* ``StateSpec`` (one attention and one SSM layer of one
-element each): only page and slot counts matter to the decisions, and those come from
-byte budgets and a ``ModelProfile`` (``budget_config``).
+Tiers come from byte budgets and a ``ModelProfile`` (``budget_config``): by default one
+arena per tier, over a small ``StateSpec`` (``arena_spec``) whose page and state bytes
+keep the profile's ratio, the budgets scaled to match, so the arena holds the blocks
+the model's would; or fixed pools over a *tiny* spec (``tiny_spec``: only the page and
+slot counts matter then).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -95,6 +98,36 @@ def share_split(
     return pages, slots
 
 
+#: Bytes of one KV page of ``arena_spec``: small tensors, yet fine enough that a state's
+#: bytes keep the profile's state : page ratio to within 16 bytes.
+ARENA_PAGE_BYTES = 1024
+SPLITS = ("arena", "rule", "share")
+
+
+def arena_spec(profile: ModelProfile, page_size: int) -> tuple[StateSpec, float]:
+    """A small ``StateSpec`` whose page and state bytes are the profile's scaled by one
+    factor (returned), so an arena of ``budget * factor`` bytes holds what the model's
+    arena of ``budget`` holds: the same blocks per page and per state."""
+    head_dim = max(1, ARENA_PAGE_BYTES // (4 * page_size))  # K and V, fp16
+    kv = KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=head_dim, dtype=torch.float16)
+    scale = page_size * 4 * head_dim / profile.page_bytes(page_size)
+    mamba = None
+    if profile.has_ssm:
+        # conv row: 2 bytes aligned to 16; ssm row: 2 * state_dim bytes (a multiple of 16).
+        state_dim = max(8, round((profile.state_bytes * scale - 16) / 16) * 8)
+        mamba = MambaSpec(
+            layer_ids=(1,),
+            conv_dim=1,
+            conv_kernel=2,
+            num_heads=1,
+            head_dim=1,
+            state_dim=state_dim,
+            conv_dtype=torch.float16,
+            ssm_dtype=torch.float16,
+        )
+    return StateSpec(page_size=page_size, kv=kv, mamba=mamba, model_id="replay"), scale
+
+
 def budget_config(
     profile: ModelProfile,
     page_size: int,
@@ -102,42 +135,43 @@ def budget_config(
     host_bytes: int = 0,
     state_share: float | None = None,
     policy: str | EvictionPolicy = "lru",
+    split: str = "arena",
 ) -> HiCacheConfig:
-    """A ``HiCacheConfig`` whose L1 (and L2 when ``host_bytes`` > 0) pools fit the byte
-    budgets, split between KV pages and states by the fixed rule (``fixed_split``), or
-    with ``state_share`` of each budget for states (``share_split``). ``policy``: the
-    eviction policy (``HiCacheConfig.eviction_policy``), ranking by the profile's bytes
-    and FLOPs (``ModelProfile.cost_model``)."""
-    pb, sb = profile.page_bytes(page_size), profile.state_bytes
+    """A ``HiCacheConfig`` whose L1 (and L2 when ``host_bytes`` > 0) fit the byte budgets.
 
-    def split(budget: int) -> tuple[int, int]:
-        if state_share is None:
+    ``split``: ``arena`` (one arena per tier, the cache's byte budget; the spec is then
+    ``arena_spec`` and the budgets are scaled by its factor), ``rule`` (fixed pools by
+    ``HiCacheConfig``'s slot rule, ``fixed_split``) or ``share`` (fixed pools with
+    ``state_share`` of each budget for states, ``share_split``; a given ``state_share``
+    implies it). ``policy``: the eviction policy, ranking by the profile's bytes and FLOPs
+    (``ModelProfile.cost_model``)."""
+    if state_share is not None:
+        split = "share"
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; choose from {SPLITS}")
+    pb, sb = profile.page_bytes(page_size), profile.state_bytes
+    common: dict[str, Any] = dict(transfer="cpu", eviction_policy=policy)
+    common["cost_model"] = profile.cost_model()
+    if host_bytes > 0:
+        common["write_policy"] = "write_through"
+    else:
+        common["enable_host"] = False
+    if split == "arena":
+        _, scale = arena_spec(profile, page_size)
+        if host_bytes > 0:
+            common["host_bytes"] = int(host_bytes * scale)
+        return HiCacheConfig(device_bytes=int(device_bytes * scale), **common)
+
+    def pools(budget: int) -> tuple[int, int]:
+        if split == "rule":
             return fixed_split(budget, pb, sb)
+        assert state_share is not None, "split='share' needs state_share"
         return share_split(budget, pb, sb, state_share)
 
-    cost = profile.cost_model()
-    pages, slots = split(device_bytes)
-    if host_bytes <= 0:
-        return HiCacheConfig(
-            device_pages=pages,
-            device_mamba_slots=slots,
-            enable_host=False,
-            transfer="cpu",
-            eviction_policy=policy,
-            cost_model=cost,
-        )
-    host_pages, host_slots = split(host_bytes)
-    return HiCacheConfig(
-        device_pages=pages,
-        device_mamba_slots=slots,
-        host_pages=host_pages,
-        host_mamba_slots=host_slots,
-        enable_host=True,
-        write_policy="write_through",
-        transfer="cpu",
-        eviction_policy=policy,
-        cost_model=cost,
-    )
+    pages, slots = pools(device_bytes)
+    if host_bytes > 0:
+        common["host_pages"], common["host_mamba_slots"] = pools(host_bytes)
+    return HiCacheConfig(device_pages=pages, device_mamba_slots=slots, **common)
 
 
 def budget_cache(
@@ -148,11 +182,16 @@ def budget_cache(
     host_bytes: int = 0,
     state_share: float | None = None,
     policy: str | EvictionPolicy = "lru",
+    split: str = "arena",
 ) -> HiCache:
-    """A ``HiCache`` on ``topology`` with tiny tensors and the pools of ``budget_config``.
+    """A ``HiCache`` on ``topology`` with small tensors and the tiers of ``budget_config``.
     Collective."""
-    config = budget_config(profile, page_size, device_bytes, host_bytes, state_share, policy)
-    return HiCache(topology, tiny_spec(page_size, profile.has_ssm), config)
+    config = budget_config(profile, page_size, device_bytes, host_bytes, state_share, policy, split)
+    if config.device_bytes:
+        spec = arena_spec(profile, page_size)[0]
+    else:
+        spec = tiny_spec(page_size, profile.has_ssm)
+    return HiCache(topology, spec, config)
 
 
 def decode_writes_checkpoint(prompt_len: int, num_new: int, page_size: int) -> bool:

@@ -3,15 +3,18 @@
 Replays a JSONL trace (``scripts/make_trace.py``; one request per line with
 ``session_id``, ``input_tokens`` = the full prompt, ``output_tokens``, in arrival order)
 through the real ``HiCache`` on a one-rank CPU mesh, with the engine's cache calls and
-checkpoint placement (``runtime.replay``) and no model compute. Pools use tiny tensors;
-their page and slot counts come from the byte budgets and the model profile (bytes per
-KV page and per state checkpoint), split by ``HiCacheConfig``'s fixed rule
-(``runtime.replay.fixed_split``) until the cache takes byte budgets itself, or with
-``--state-share F`` of each budget for states (an explicit fixed split).
+checkpoint placement (``runtime.replay``) and no model compute. Tiers use small tensors
+sized from the byte budgets and the model profile (bytes per KV page and per state
+checkpoint): by default each tier is one arena shared by pages and states
+(``--split arena``, the cache's ``device_bytes`` / ``host_bytes``), or fixed pools by
+``HiCacheConfig``'s slot rule (``--split rule``) or with ``--state-share F`` of each
+budget for states. ``--policy`` picks the eviction policy (``cost`` ranks by the
+profile's FLOPs and bytes); ``--baselines 0.5,1,2`` also replays LRU and the Marconi
+baseline at each alpha on the same trace and reports the best alpha.
 
     python scripts/make_trace.py chat --seed 0 --out chat.jsonl
     python scripts/bench_hitrate.py chat.jsonl --profile hybrid-7b --device-bytes 2GB \\
-        --host-bytes 8GB --page-size 16 --policy lru --json chat_2g.json
+        --host-bytes 8GB --page-size 16 --policy cost --baselines 0.5,1,2 --json chat_2g.json
 
 Byte sizes take an optional unit: ``K``/``M``/``G`` (powers of 1000, also ``KB`` etc.) or
 ``KiB``/``MiB``/``GiB``. ``token_hit_rate`` is reused prompt tokens / prompt tokens (a
@@ -33,9 +36,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from mesh_hicache.radix import eviction
+from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
 from runtime.profiles import ModelProfile, load_hf_config, profile
-from runtime.replay import TIERS, Replayer, budget_cache
+from runtime.replay import SPLITS, TIERS, Replayer, budget_cache
 from runtime.traces import TraceRequest, read_jsonl
 
 POLICIES = ("lru", "cost", "marconi")
@@ -96,10 +100,18 @@ def parser() -> argparse.ArgumentParser:
         "(results under 'baselines'; 'marconi_best' is the best alpha by hit rate)",
     )
     p.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="arena",
+        help="arena: one byte budget per tier shared by pages and states (the cache's "
+        "device_bytes/host_bytes); rule: fixed pools by HiCacheConfig's slot rule; "
+        "share: fixed pools with --state-share of each budget for states",
+    )
+    p.add_argument(
         "--state-share",
         type=float,
         default=None,
-        help="fraction of each budget for state checkpoints (default: HiCacheConfig's rule)",
+        help="fraction of each budget for state checkpoints (fixed pools; implies --split share)",
     )
     p.add_argument("--limit", type=int, default=0, help="replay only the first N requests")
     p.add_argument("--progress-s", type=float, default=5.0, help="seconds between progress lines")
@@ -148,6 +160,7 @@ def replay(
         args.host_bytes,
         args.state_share,
         make_policy(name, prof, args.alpha if alpha is None else alpha),
+        args.split,
     )
     cfg = cache.config
     player = Replayer(cache)
@@ -180,11 +193,24 @@ def replay(
     wall = time.perf_counter() - t0
     stats = cache.stats()
     cache.check_integrity()
-    cache.close()
+    tree = internals(cache).tree
     pb, sb = prof.page_bytes(args.page_size), prof.state_bytes
-    host_pages = cfg.num_host_pages() if cfg.enable_host else 0
-    host_slots = cfg.mamba_host_slots() if cfg.enable_host and prof.has_ssm else 0
-    device_slots = cfg.mamba_device_slots() if prof.has_ssm else 0
+    end_kv, end_states = tree.num_device_pages * pb, tree.num_mamba_device_slots * sb
+    pools: dict[str, Any] = {
+        "split": cfg_split(cfg, args),
+        "page_bytes": pb,
+        "state_bytes": sb,
+        "device_arena_blocks": cache.device.arena.num_blocks if cache.device.arena else 0,
+        "device_pages": cache.device.num_pages,
+        "device_slots": cache.device.num_slots,
+        "end_device_state_fraction": end_states / (end_kv + end_states) if end_kv else 0.0,
+    }
+    host = internals(cache).host
+    if host is not None:
+        pools["host_arena_blocks"] = host.arena.num_blocks if host.arena else 0
+        pools["host_pages"] = host.num_pages
+        pools["host_slots"] = host.num_slots
+    cache.close()
     flops_saved = sum(tier_flops.values())
     return {
         "policy": name if name != "marconi" else f"marconi(alpha={alpha})",
@@ -205,17 +231,7 @@ def replay(
             }
             for tier in TIERS
         },
-        "pools": {
-            "page_bytes": pb,
-            "state_bytes": sb,
-            "device_pages": cfg.device_pages,
-            "device_slots": device_slots,
-            "device_state_fraction": device_slots
-            * sb
-            / (device_slots * sb + cfg.device_pages * pb),
-            "host_pages": host_pages,
-            "host_slots": host_slots,
-        },
+        "pools": pools,
         "evictions": {
             "device_pages": stats.evicted_device_pages,
             "device_slots": stats.evicted_device_slots,
@@ -224,6 +240,13 @@ def replay(
         },
         "wall_s": wall,
     }
+
+
+def cfg_split(cfg: Any, args: argparse.Namespace) -> str:
+    """How the budgets were turned into tiers (``runtime.replay.budget_config``)."""
+    if cfg.device_bytes:
+        return "arena"
+    return "share" if args.state_share is not None else "rule"
 
 
 def parse_alphas(text: str) -> list[float]:

@@ -9,6 +9,7 @@ import torch
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.pools.arena import ArenaPlan, mesh_plan
 from mesh_hicache.radix.eviction import CostModel
 from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
@@ -16,7 +17,14 @@ from runtime.engine import Engine
 from runtime.model import HybridModel
 from runtime.model.config import preset
 from runtime.profiles import profile
-from runtime.replay import Replayer, budget_config, fixed_split, share_split, tiny_spec
+from runtime.replay import (
+    Replayer,
+    arena_spec,
+    budget_config,
+    fixed_split,
+    share_split,
+    tiny_spec,
+)
 from runtime.traces import TraceRequest, make_trace, trace_shape
 
 PAGE = 16
@@ -189,14 +197,33 @@ def test_fixed_split_without_states_and_too_small_budgets():
 
 def test_budget_config_tiers():
     p = profile("hybrid-7b")
-    l1 = budget_config(p, PAGE, 2 * 10**9)
+    l1 = budget_config(p, PAGE, 2 * 10**9, split="rule")
     assert not l1.enable_host
-    both = budget_config(p, PAGE, 2 * 10**9, 8 * 10**9)
+    both = budget_config(p, PAGE, 2 * 10**9, 8 * 10**9, split="rule")
     assert both.enable_host and both.device_pages == l1.device_pages
     assert (both.host_pages, both.host_mamba_slots) == fixed_split(
         8 * 10**9, p.page_bytes(PAGE), p.state_bytes
     )
     assert both.num_host_pages() == both.host_pages
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_arena_replay_holds_the_blocks_of_the_model_arena(page_size):
+    p = profile("hybrid-7b")
+    spec, scale = arena_spec(p, page_size)
+    config = budget_config(p, page_size, 5 * 10**9, 20 * 10**9)
+    assert config.device_bytes == int(5 * 10**9 * scale) and config.device_pages == 0
+    assert config.host_bytes == int(20 * 10**9 * scale)
+    # The small arena and the model's arena: the same blocks per page, per state, in all.
+    small = mesh_plan(spec, (1, 1, 1), "replicate", config.device_bytes)
+    real = ArenaPlan.for_budget(5 * 10**9, p.page_bytes(page_size), p.state_bytes)
+    assert (small.blocks_per_page, small.blocks_per_slot) == (
+        real.blocks_per_page,
+        real.blocks_per_slot,
+    )
+    assert abs(small.num_blocks - real.num_blocks) <= 1
+    with pytest.raises(ValueError, match="split"):
+        budget_config(p, page_size, 10**9, split="halves")
 
 
 def test_share_split_gives_states_their_share():
@@ -258,12 +285,21 @@ def _with_cost(config: HiCacheConfig, spec_of: str = "SSASSSAS") -> HiCacheConfi
     return dataclasses.replace(config, eviction_policy="cost", cost_model=cost)
 
 
-@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+ARENAS = {
+    # One arena per tier (the tiny model: a page is 4 KiB, a state 42 KiB, 2 KiB blocks).
+    "l1-arena": HiCacheConfig(device_bytes=160 * 1024, enable_host=False, transfer="cpu"),
+    "l1+l2-arena": HiCacheConfig(device_bytes=160 * 1024, host_bytes=640 * 1024, transfer="cpu"),
+}
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS) + sorted(ARENAS))
 @pytest.mark.parametrize("shape", ["agent", "chat"])
 def test_replay_under_the_cost_policy_reuses_what_the_engine_reuses(topology, shape, config_name):
-    config = _with_cost(CONFIGS[config_name])
+    config = _with_cost(CONFIGS.get(config_name) or ARENAS[config_name])
     trace, want, engine_cache = _engine_trace(topology, shape, config)
-    replay_cache = HiCache(topology, tiny_spec(PAGE, has_mamba=True), config)
+    # An arena's blocks come from the spec's bytes: the replay takes the engine's spec then.
+    spec = preset("tiny").state_spec(PAGE) if config.device_bytes else tiny_spec(PAGE, True)
+    replay_cache = HiCache(topology, spec, config)
     player = Replayer(replay_cache)
     got = [player.serve(r.input_tokens, r.output_tokens).reused for r in trace]
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
