@@ -3,6 +3,8 @@ two kinds sharing one budget, and a whole cache on a byte budget."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -18,7 +20,9 @@ from mesh_hicache.spec import Family
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.testing import internals
 from mesh_hicache.tiers import CacheFull, EvictHooks, TierAllocator
+from runtime import serve as serve_cli
 from tests.unit.cache_support import PS, make_spec, serve
+from tests.unit.test_misconfig import TINY
 
 HOOKS = EvictHooks(write_back=lambda: None, in_flight=lambda: False, drain=lambda: None)
 
@@ -193,3 +197,12 @@ def test_budget_views_are_strided_over_one_buffer(one_rank_topology):
     assert host.nbytes <= cache.config.host_bytes
     assert len(host.buffers()) == 1 and host.buffers()[0].dtype == torch.uint8
     cache.close()
+
+
+def test_runtime_serve_runs_on_byte_budgets(tmp_path, single_rank_group):
+    out = tmp_path / "run.json"
+    argv = [*TINY, "--cache", "host", "--device-bytes", "400000", "--host-bytes", "1600000"]
+    assert serve_cli.main([*argv, "--json", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["summary"]["hit_rate"] > 0 and run["summary"]["requests_uncached_l1"] == 0
+    assert run["config"]["device_bytes"] == 400000
