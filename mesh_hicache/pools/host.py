@@ -151,9 +151,14 @@ class HostPools:
         topology: MeshTopology | None = None,
         pinned: bool | None = None,
     ) -> HostPools:
-        """``ratio`` times the device pool's pages and slots (rounded down)."""
+        """``ratio`` times the device pool's pages and slots (rounded down); for a device
+        arena, an arena of ``ratio`` times its blocks (same block size)."""
         if ratio <= 0:
             raise ValueError(f"host pool ratio must be > 0, got {ratio}")
+        if device_pools.arena is not None:
+            p = device_pools.arena.plan
+            plan = ArenaPlan(int(p.num_blocks * ratio), p.block_bytes, p.page_bytes, p.slot_bytes)
+            return cls(device_pools.layout, topology=topology, pinned=pinned, arena=plan)
         return cls(
             device_pools.layout,
             num_pages=int(device_pools.num_pages * ratio),

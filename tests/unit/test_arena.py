@@ -272,3 +272,11 @@ def test_config_budget_defaults():
     assert legacy.mamba_device_slots() == 10 and legacy.host_arena_bytes() == 0
     with pytest.raises(TypeError, match="device_bytes must be an int"):
         HiCacheConfig(device_bytes=1.5e9)
+
+
+def test_host_from_ratio_of_a_device_arena_is_an_arena():
+    dev = DevicePools(layout(), arena=plan_of(20_000))
+    host = HostPools.from_ratio(dev, 2.5, pinned=False)
+    assert host.arena is not None and dev.arena is not None
+    assert host.arena.plan.num_blocks == int(2.5 * dev.arena.plan.num_blocks)
+    assert host.arena.plan.block_bytes == dev.arena.plan.block_bytes
