@@ -147,6 +147,11 @@ class StorageBackend(abc.ABC):
         verification: a later ``get`` may still find an object corrupt (a miss).
         """
 
+    def exists_each(self, keys: Sequence[StorageKey]) -> list[bool]:
+        """One existence flag per key, in ONE backend round trip where the store batches
+        (the default asks ``exists`` key by key). Existence is not verification."""
+        return [self.exists([k]) == 1 for k in keys]
+
     @abc.abstractmethod
     def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
         """Read the object of ``keys[i]`` into ``dst[i]``; returns one hit flag per key.

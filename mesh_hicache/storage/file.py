@@ -1,8 +1,8 @@
 """The ``file`` backend: one file per object under a root directory (the embedded default).
 
 Layout: ``<root>/<key string>`` (``v1/<ns digest>/<region>/<page hash>/<slice tag>``),
-each file an object of format version 2 (``objects.py``): a 64-byte header, the payload,
-then its chunk table, so that ``get_ranges`` reads and verifies only the chunks holding
+each file an object of format version 2 (``objects.py``): a 64-byte header, a chunk
+table, then the payload, so that ``get_ranges`` reads and verifies only the chunks holding
 the asked byte ranges (``pread`` at offsets on the open descriptor, ``file_read.py``).
 Chunks are whole last-dim vectors of the row written (``objects.chunk_bytes_for``).
 
@@ -153,20 +153,29 @@ class FileStorage(StorageBackend):
     def exists(self, keys: Sequence[StorageKey]) -> int:
         with self._dirs() as dirs:
             for i, key in enumerate(keys):
-                dir_parts, name = _split(check_key_str(key.to_str()))
-                try:
-                    d = dirs.get(dir_parts, create=False)
-                    if d is None:
-                        return i
-                    mode = os.stat(name, dir_fd=d, follow_symlinks=False).st_mode
-                    if not stat.S_ISREG(mode):
-                        raise UnsafeEntry(entry_kind(mode), str(self.object_path(key)))
-                except FileNotFoundError:
-                    return i
-                except UnsafeEntry as bad:
-                    self._record_unsafe(bad.kind, bad.where, miss=False)
+                if not self._exists_one(dirs, key):
                     return i
         return len(keys)
+
+    def exists_each(self, keys: Sequence[StorageKey]) -> list[bool]:
+        with self._dirs() as dirs:
+            return [self._exists_one(dirs, key) for key in keys]
+
+    def _exists_one(self, dirs: DirCache, key: StorageKey) -> bool:
+        dir_parts, name = _split(check_key_str(key.to_str()))
+        try:
+            d = dirs.get(dir_parts, create=False)
+            if d is None:
+                return False
+            mode = os.stat(name, dir_fd=d, follow_symlinks=False).st_mode
+            if not stat.S_ISREG(mode):
+                raise UnsafeEntry(entry_kind(mode), str(self.object_path(key)))
+        except FileNotFoundError:
+            return False
+        except UnsafeEntry as bad:
+            self._record_unsafe(bad.kind, bad.where, miss=False)
+            return False
+        return True
 
     def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
         check_batch(keys, dst, "FileStorage.get")
@@ -339,8 +348,8 @@ class FileStorage(StorageBackend):
         try:
             with open(fd, "wb") as f:
                 f.write(header)
-                _write_payload(f, payload)
                 f.write(table)
+                _write_payload(f, payload)
                 f.flush()
                 if self._fsync:
                     os.fsync(fd)

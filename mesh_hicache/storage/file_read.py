@@ -13,23 +13,32 @@ from collections.abc import Sequence
 from mesh_hicache.storage.objects import (
     HEADER_SIZE,
     PLAIN_FORMAT_VERSION,
+    ChunkTable,
     ObjectCodec,
     ObjectError,
     ObjectHeader,
 )
 
 
-def _header(fd: int, codec: ObjectCodec, key: str, view: memoryview, size: int) -> ObjectHeader:
-    header = codec.decode_header(key, os.pread(fd, HEADER_SIZE, 0))
+def _head_and_table(
+    fd: int, codec: ObjectCodec, key: str, view: memoryview, size: int
+) -> tuple[ObjectHeader, ChunkTable | None, int]:
+    """The checked header, the checked chunk table (None for format version 1) and the
+    payload's offset in the file, from one ``pread`` of everything before the payload."""
+    start = max(size - view.nbytes, HEADER_SIZE)
+    data = os.pread(fd, start, 0)
+    header = codec.decode_header(key, data[:HEADER_SIZE])
     if header.nbytes != view.nbytes:
         raise ObjectError(
             "length", f"object holds {header.nbytes} bytes, destination {view.nbytes}"
         )
     if size < HEADER_SIZE + header.nbytes:
         raise ObjectError("short", f"file of {size} bytes, header says {header.nbytes}")
-    if header.version == PLAIN_FORMAT_VERSION and size != HEADER_SIZE + header.nbytes:
-        raise ObjectError("length", "trailing bytes after the payload")
-    return header
+    if header.version == PLAIN_FORMAT_VERSION:
+        if size != HEADER_SIZE + header.nbytes:
+            raise ObjectError("length", "trailing bytes after the payload")
+        return header, None, HEADER_SIZE
+    return header, codec.decode_table(header, data[HEADER_SIZE:]), start
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
@@ -43,11 +52,11 @@ def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
 
 def read_whole(fd: int, size: int, codec: ObjectCodec, key: str, view: memoryview) -> int:
     """Read and check the whole object open as ``fd`` (``size`` bytes on disk): header,
-    payload into ``view`` and (format version 2) the chunk table, in one ``preadv``;
+    (format version 2) the chunk table and the payload into ``view``, in one ``preadv``;
     returns the payload bytes read."""
     extra = size - HEADER_SIZE - view.nbytes
     head, table = bytearray(HEADER_SIZE), bytearray(max(extra, 0))
-    got = os.preadv(fd, [head, view, table], 0)
+    got = os.preadv(fd, [head, table, view], 0)
     header = codec.decode_header(key, head[: min(got, HEADER_SIZE)])
     if header.nbytes != view.nbytes:
         raise ObjectError(
@@ -75,15 +84,14 @@ def read_ranges(
     """Read the chunks holding the payload byte ``ranges`` (``(offset, length)``) into
     the same offsets of ``view`` (the payload's size) and check them against the chunk
     table; returns the payload bytes read. A format version 1 object is read whole."""
-    header = _header(fd, codec, key, view, size)
-    if header.version == PLAIN_FORMAT_VERSION:
-        _pread_exact(fd, view, HEADER_SIZE)
+    header, table, start = _head_and_table(fd, codec, key, view, size)
+    spans = [(0, header.nbytes)] if table is None else table.spans(ranges)
+    if spans == [(0, header.nbytes)]:  # everything: one read, the cheaper whole tag
+        _pread_exact(fd, view, start)
         codec.check_payload(header, view)
         return header.nbytes
-    start = HEADER_SIZE + header.nbytes
-    table = codec.decode_table(header, os.pread(fd, size - start, start))
-    spans = table.spans(ranges)
+    assert table is not None
     for a, b in spans:
-        _pread_exact(fd, view[a:b], HEADER_SIZE + a)
+        _pread_exact(fd, view[a:b], start + a)
     table.check(view, spans)
     return sum(b - a for a, b in spans)

@@ -98,6 +98,17 @@ class GuardedStorage(StorageBackend):
             return 0
         return n
 
+    def exists_each(self, keys: Sequence[StorageKey]) -> list[bool]:
+        _check_keys(keys, "GuardedStorage.exists_each")
+        if not keys:
+            return []
+        miss = [False] * len(keys)
+        flags, live = self._call(lambda b: b.exists_each(keys), miss, "exists")
+        if live and not _is_flags(flags, len(keys)):
+            self._on_failure(ValueError(f"exists_each() answered {flags!r}"), False)
+            return miss
+        return [bool(f) for f in flags]
+
     def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
         _check_io(keys, dst, "GuardedStorage.get")
         if not keys:

@@ -204,16 +204,17 @@ class MooncakeStorage(StorageBackend):
             self._buffers.append((buffer.data_ptr(), buffer.data_ptr() + nbytes, buffer))
 
     def exists(self, keys: Sequence[StorageKey]) -> int:
+        flags = self.exists_each(keys)
+        return flags.index(False) if False in flags else len(flags)
+
+    def exists_each(self, keys: Sequence[StorageKey]) -> list[bool]:
         if not keys:
-            return 0
+            return []
         names = [check_key_str(k.to_str()) for k in keys]
         with self._lock:
             codes = self._call("batch_is_exist", names)
         self._raise_if_disconnected(codes)
-        for i, code in enumerate(codes):
-            if code != 1:
-                return i
-        return len(keys)
+        return [code == 1 for code in codes]
 
     def get(self, keys: Sequence[StorageKey], dst: Sequence[torch.Tensor]) -> list[bool]:
         check_batch(keys, dst, "MooncakeStorage.get")

@@ -10,12 +10,12 @@ docs/DESIGN.md section 8. All integers little endian::
       payload length  u64
       tag             16 bytes: CRC32 of the payload (u32, zero-padded), or with a
                       secret HMAC-SHA256(key digest, length, payload)[:16]
-    payload           payload length bytes
     chunk table       format version 2 only
       payload length  u64, chunk bytes u32, chunk count u32
       chunk tags      one per chunk: CRC32 (4 bytes) or, with a secret, BLAKE2b-64 (8)
       table tag       16 bytes: CRC32 of (key digest, table), or with a secret
                       HMAC-SHA256("mhc-chunks", key digest, table)[:16]
+    payload           payload length bytes (at ``HEADER_SIZE + table_size(...)``)
 
 A whole read checks the header tag only (the cost of version 1). A *ranged* read (a few
 byte ranges of the payload, for reshard on read) fetches the header, the table and the
@@ -108,6 +108,27 @@ def chunk_bytes_for(shape: Sequence[int], itemsize: int) -> int:
     return last * -(-MIN_CHUNK_BYTES // last)
 
 
+def chunk_spans(
+    ranges: Sequence[tuple[int, int]], nbytes: int, chunk_bytes: int
+) -> list[tuple[int, int]]:
+    """Merged ``[start, stop)`` spans on chunk bounds of a ``nbytes`` payload that cover
+    ``ranges`` (``(offset, length)`` pairs): what a ranged read fetches and verifies.
+    ValueError for a range outside the payload."""
+    c = chunk_bytes
+    out: list[tuple[int, int]] = []
+    for off, length in sorted(ranges):
+        if off < 0 or length < 0 or off + length > nbytes:
+            raise ValueError(f"range ({off}, {length}) outside a {nbytes}-byte payload")
+        if not length:
+            continue
+        a, b = off // c * c, min(-(-(off + length) // c) * c, nbytes)
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def table_size(nbytes: int, chunk_bytes: int, keyed: bool) -> int:
     """Bytes of the chunk table of a ``nbytes`` payload cut in ``chunk_bytes`` chunks."""
     count = -(-nbytes // chunk_bytes)
@@ -135,21 +156,8 @@ class ChunkTable:
     keyed: bool
 
     def spans(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Merged ``[start, stop)`` payload spans, on chunk bounds, covering ``ranges``
-        (``(offset, length)`` pairs). ValueError for a range outside the payload."""
-        c = self.chunk_bytes
-        out: list[tuple[int, int]] = []
-        for off, length in sorted(ranges):
-            if off < 0 or length < 0 or off + length > self.nbytes:
-                raise ValueError(f"range ({off}, {length}) outside a {self.nbytes}-byte payload")
-            if not length:
-                continue
-            a, b = off // c * c, min(-(-(off + length) // c) * c, self.nbytes)
-            if out and a <= out[-1][1]:
-                out[-1] = (out[-1][0], max(out[-1][1], b))
-            else:
-                out.append((a, b))
-        return out
+        """``chunk_spans`` of ``ranges`` for this table's payload."""
+        return chunk_spans(ranges, self.nbytes, self.chunk_bytes)
 
     def check(self, payload: memoryview, spans: Sequence[tuple[int, int]]) -> None:
         """Raise ObjectError ("checksum"/"mac") unless every chunk of ``spans`` in
@@ -221,8 +229,8 @@ class ObjectCodec:
     def encode_header(
         self, key: str, payload: bytes | bytearray | memoryview, *, chunked: bool = False
     ) -> bytes:
-        """The 64-byte header for ``payload`` stored under ``key`` (write it, then the
-        payload, then -- ``chunked``, format version 2 -- ``encode_table``'s bytes)."""
+        """The 64-byte header for ``payload`` stored under ``key`` (write it, then --
+        ``chunked``, format version 2 -- ``encode_table``'s bytes, then the payload)."""
         digest = key_digest(key)
         flags = FLAG_MAC if self.keyed else 0
         nbytes = memoryview(payload).nbytes
@@ -231,7 +239,7 @@ class ObjectCodec:
         return _HEADER.pack(OBJECT_MAGIC, version, flags, digest, nbytes, tag)
 
     def encode_table(self, key: str, payload: memoryview, chunk_bytes: int) -> bytes:
-        """The chunk table that follows ``payload`` in a format version 2 object."""
+        """The chunk table between header and ``payload`` in a format version 2 object."""
         assert chunk_bytes > 0
         n = payload.nbytes
         tags = b"".join(
@@ -264,7 +272,7 @@ class ObjectCodec:
     def decode_table(
         self, header: ObjectHeader, table: bytes | bytearray | memoryview
     ) -> ChunkTable:
-        """Check the chunk table read after a version 2 payload; ObjectError ("short",
+        """Check the chunk table read before a version 2 payload; ObjectError ("short",
         "length", "checksum" or "mac") when it is truncated, inconsistent or forged."""
         view = memoryview(table)
         if view.nbytes < _TABLE_HEAD.size + _TAG_SIZE:
@@ -294,11 +302,12 @@ class ObjectCodec:
     def encode_object(
         self, key: str, payload: bytes | bytearray | memoryview, chunk_bytes: int | None = None
     ) -> bytes:
-        """The whole stored blob for backends that store one: header + payload, plus the
-        chunk table (format version 2) when ``chunk_bytes`` is given."""
+        """The whole stored blob for backends that store one: header + payload, with the
+        chunk table in between (format version 2) when ``chunk_bytes`` is given."""
         view = memoryview(payload).cast("B")
-        blob = self.encode_header(key, view, chunked=chunk_bytes is not None) + bytes(view)
-        return blob if chunk_bytes is None else blob + self.encode_table(key, view, chunk_bytes)
+        header = self.encode_header(key, view, chunked=chunk_bytes is not None)
+        table = b"" if chunk_bytes is None else self.encode_table(key, view, chunk_bytes)
+        return header + table + bytes(view)
 
     def decode_object(
         self, key: str, blob: bytes | bytearray | memoryview, expected_nbytes: int | None = None
@@ -316,8 +325,9 @@ class ObjectCodec:
             )
         payload = view[HEADER_SIZE:]
         if header.version == OBJECT_FORMAT_VERSION:
-            self.decode_table(header, payload[header.nbytes :])
-            payload = payload[: header.nbytes]
+            n = max(payload.nbytes - header.nbytes, 0)
+            self.decode_table(header, payload[:n])
+            payload = payload[n:]
         self.check_payload(header, payload)
         return payload
 

@@ -9,10 +9,12 @@ entries from 0 up to the first miss and remembers them. Backends never rewrite a
 existing object, so an entry is append-only; two writers racing for one index both read
 it back and the loser moves on to the next one.
 
-Cost: registration reads ``k + 1`` entries once per cache (``k`` known meshes). A refresh
-(:meth:`LayoutRegistry.refresh`, at most once per ``refresh_s``) reads one entry when
-nothing new was recorded: that is the one extra lookup a miss can cost. Works with any
-backend (only ``get``/``put`` of fixed-size objects under validated keys).
+Cost: registration reads ``k + 1`` entries once per cache (``k`` known meshes). Later,
+a reader does not read entries on its own: :meth:`LayoutRegistry.probe_key` hands out
+(at most once per ``refresh_s``) the key of the next entry, which the L3 tier asks for in
+the same batched existence query as its reshard probe (``l3_sources.py``), and
+:meth:`LayoutRegistry.read_new` reads entries only when that key exists. Works with any
+backend (only ``get``/``put``/existence of fixed-size objects under validated keys).
 """
 
 from __future__ import annotations
@@ -94,6 +96,22 @@ class LayoutRegistry:
             if mid is None:
                 return
             self._known.append(mid)
+
+    def probe_key(self) -> StorageKey | None:
+        """The key of the next entry when a refresh is due (at most once per ``refresh_s``;
+        None otherwise or when the table is full). Its existence means a new mesh was
+        recorded: then call :meth:`read_new`."""
+        now = time.monotonic()
+        if now - self._last < self._refresh_s or len(self._known) >= MAX_LAYOUTS:
+            return None
+        self._last = now
+        self.lookups += 1
+        return entry_key(self._namespace, len(self._known))
+
+    def read_new(self) -> tuple[MeshLayoutId, ...]:
+        """Read the entries recorded since the last read; returns :attr:`known`."""
+        self._read_new()
+        return self.known
 
     def refresh(self, *, force: bool = False) -> tuple[MeshLayoutId, ...]:
         """Read entries recorded since the last refresh (at most once per ``refresh_s``

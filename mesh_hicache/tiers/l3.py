@@ -5,8 +5,9 @@ hash of the boundary's last page) for Mamba state regions, each naming this rank
 global slice (docs/DESIGN.md section 8). Only the elected writer of a region writes it.
 
 Reshard on read: past what this mesh stored itself, pages (and states) are read from the
-other writer meshes recorded under the namespace (``discovery.py``, ``reshard.py``); the
-hit is agreed like a same-mesh one (each rank counts what it can assemble).
+other writer meshes recorded under the namespace (``l3_sources.py`` finds them, at one
+extra batched lookup for a miss; ``l3_reads.py`` reads only the byte ranges this rank
+keeps); the hit is agreed like a same-mesh one (each rank counts what it can assemble).
 
 Thread story: two threads of its own, one FIFO each, so a prefetch never queues behind
 backups: ``l3-write`` runs the puts that :meth:`StorageTier.write` submits (the backup
@@ -26,11 +27,10 @@ reservation's (``alloc``) when it starts a prefetch; :meth:`finish_prefetch` 1 o
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,13 +43,13 @@ from mesh_hicache.stats import CacheStats
 from mesh_hicache.storage.base import StorageBackend
 from mesh_hicache.storage.keys import KeyNamespace, StorageKey
 from mesh_hicache.tiers.alloc import TierAllocator
-from mesh_hicache.tiers.discovery import LayoutRegistry
-from mesh_hicache.tiers.reshard import MeshLayoutId, ObjectRead, SourcePlan, assemble, plan_source
+from mesh_hicache.tiers.l3_reads import PREFETCH_BATCH_PAGES, Prefetch, PrefetchReader
+from mesh_hicache.tiers.l3_sources import SourceFinder
+from mesh_hicache.tiers.reshard import SourcePlan
+
+__all__ = ["PREFETCH_BATCH_PAGES", "Prefetch", "PrefetchRules", "StorageTier"]
 
 logger = logging.getLogger(__name__)
-
-#: Pages per storage read batch: the unit at which a prefetch can be stopped.
-PREFETCH_BATCH_PAGES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,28 +61,6 @@ class PrefetchRules:
     policy: PrefetchPolicy
     timeout_base_s: float
     timeout_per_1k_s: float
-
-
-@dataclass(slots=True)
-class Prefetch:
-    """An L3 -> host read in flight for one request (pages reserved in the host pool)."""
-
-    key: RadixKey
-    start_page: int
-    num_pages: int
-    host_pages: list[int]
-    host_slot: int | None
-    hashes: list[bytes]
-    sources: list[SourcePlan | None] = field(default_factory=list)
-    """Per page: the writer mesh it is resharded from (None: this mesh's own objects)."""
-    state_sources: list[SourcePlan] = field(default_factory=list)
-    """Other meshes to read the boundary state from when this mesh has none stored."""
-    state_resharded: bool = False
-    started: float = field(default_factory=time.monotonic)
-    pages_done: int = 0
-    state_ok: bool = False
-    cancel: threading.Event = field(default_factory=threading.Event)
-    finished: threading.Event = field(default_factory=threading.Event)
 
 
 class StorageTier:
@@ -115,13 +93,8 @@ class StorageTier:
         self._slotted = layout.held_regions(paged=False)
         for region in layout.held_regions():
             backend.register_buffer(host.local(region.name))
-        self._own = MeshLayoutId.of(layout)
-        self._registry = LayoutRegistry(backend, namespace)
-        if layout.coords == (0, 0, 0):
-            self._registry.register(self._own)
-        else:
-            self._registry.refresh(force=True)
-        self._plans: dict[MeshLayoutId, SourcePlan | None] = {}
+        self._sources = SourceFinder(backend, namespace, layout)
+        self._prefetch = PrefetchReader(self._sources, host, stats)
         self._last_sources: list[SourcePlan | None] = []
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-read")
@@ -130,7 +103,7 @@ class StorageTier:
 
     def key(self, region: RegionLayout, page_hash: bytes) -> StorageKey:
         """The key of ``region``'s object for ``page_hash`` (this rank's global slice)."""
-        return StorageKey(self.namespace, region.name.value, page_hash, region.global_slice)
+        return self._sources.key(region, page_hash)
 
     # -- writes (l3-write thread) ---------------------------------------------------------
 
@@ -192,64 +165,15 @@ class StorageTier:
 
     def _local_hit(self, hashes: Sequence[bytes]) -> int:
         """Pages this rank can read; records each page's source in ``_last_sources``."""
-        n = self._run_length(None, hashes)
-        sources: list[SourcePlan | None] = [None] * n
-        if n < len(hashes):
-            # Other meshes only past what this mesh stored itself (the fast path).
-            candidates = [None, *self._other_sources()]
-            while n < len(hashes) and len(candidates) > 1:
-                runs = [(self._run_length(c, hashes[n:]), i) for i, c in enumerate(candidates)]
-                best, i = max(runs, key=lambda r: (r[0], -r[1]))
-                if not best:
-                    break
-                sources += [candidates[i]] * best
-                n += best
+        n, sources = self._sources.local_hit(hashes)
         if self._has_mamba:
             while n > 0 and not self._state_exists(hashes[n - 1]):
                 n -= 1
         self._last_sources = sources[:n]
         return n
 
-    def _other_sources(self) -> list[SourcePlan]:
-        """Plans for the other writer meshes recorded under the namespace (cached)."""
-        out: list[SourcePlan] = []
-        for mid in self._registry.refresh():
-            if mid == self._own:
-                continue
-            if mid not in self._plans:
-                self._plans[mid] = plan_source(self._layout, mid)
-            plan = self._plans[mid]
-            if plan is not None and not plan.same_keys:
-                out.append(plan)
-        return out
-
-    def _source_key(self, region: str, read: ObjectRead, page_hash: bytes) -> StorageKey:
-        return StorageKey(self.namespace, region, page_hash, read.slice)
-
-    def _run_length(self, source: SourcePlan | None, hashes: Sequence[bytes]) -> int:
-        """Leading pages of ``hashes`` whose paged objects exist for ``source``."""
-        n = len(hashes)
-        for region in self._paged:
-            if source is None:
-                n = min(n, self.backend.exists([self.key(region, h) for h in hashes[:n]]))
-                continue
-            for read in source.region(region.name).reads:
-                keys = [self._source_key(region.name.value, read, h) for h in hashes[:n]]
-                n = min(n, self.backend.exists(keys))
-        return n
-
     def _state_exists(self, page_hash: bytes) -> bool:
-        """Whether some mesh (this one first) stored every state region at ``page_hash``."""
-        if all(self.backend.exists_one(self.key(r, page_hash)) for r in self._slotted):
-            return True
-        return any(self._state_exists_in(src, page_hash) for src in self._other_sources())
-
-    def _state_exists_in(self, source: SourcePlan, page_hash: bytes) -> bool:
-        return all(
-            self.backend.exists_one(self._source_key(r.name.value, read, page_hash))
-            for r in self._slotted
-            for read in source.region(r.name).reads
-        )
+        return self._sources.state_exists(page_hash)
 
     # -- prefetch -------------------------------------------------------------------------
 
@@ -279,101 +203,12 @@ class StorageTier:
             job.sources = self._last_sources[: len(hashes)]
             assert len(job.sources) == len(hashes)
             if self._has_mamba:
-                job.state_sources = self._other_sources()
-            self._reader.submit(self._run, job)
+                job.state_sources = self._sources.other_sources()
+            self._reader.submit(self._prefetch.run, job)
         except BaseException:
             self._free(job, 0)  # nothing is in flight: the reservation goes back at once
             raise
         return job
-
-    def _run(self, job: Prefetch) -> None:
-        try:
-            for lo in range(0, job.num_pages, PREFETCH_BATCH_PAGES):
-                if job.cancel.is_set():
-                    return
-                hi = min(lo + PREFETCH_BATCH_PAGES, job.num_pages)
-                job.pages_done = lo + self._read_pages(job, lo, hi)
-                if job.pages_done < hi:
-                    return
-            job.state_ok = self._read_state(job, job.num_pages)
-        finally:
-            job.finished.set()
-
-    def _read_pages(self, job: Prefetch, lo: int, hi: int) -> int:
-        """Read pages ``[lo, hi)`` of every paged region; returns how many leading pages
-        arrived whole (all regions)."""
-        if any(job.sources[lo:hi]):
-            return self._read_resharded(job, lo, hi)
-        keys: list[StorageKey] = []
-        rows: list[torch.Tensor] = []
-        for region in self._paged:
-            for i in range(lo, hi):
-                keys.append(self.key(region, job.hashes[i]))
-                rows.append(self._host.row(region.name, job.host_pages[i]))
-        if not keys:
-            return hi - lo
-        flags = self.backend.get(keys, rows)
-        self._count_read(rows, flags)
-        n = hi - lo
-        whole = [all(flags[r * n + i] for r in range(len(self._paged))) for i in range(n)]
-        return whole.index(False) if False in whole else n
-
-    def _read_resharded(self, job: Prefetch, lo: int, hi: int) -> int:
-        """Like the same-mesh read, but page by page from each page's source mesh:
-        fetch every object that intersects this rank's row and assemble the row."""
-        whole = []
-        for i in range(lo, hi):
-            src = job.sources[i]
-            ok = True
-            for region in self._paged:
-                row = self._host.row(region.name, job.host_pages[i])
-                ok = self._read_row(src, region, job.hashes[i], row) and ok
-            whole.append(ok)
-        return whole.index(False) if False in whole else hi - lo
-
-    def _read_row(
-        self, source: SourcePlan | None, region: RegionLayout, page_hash: bytes, row: torch.Tensor
-    ) -> bool:
-        """Read ``region``'s row for ``page_hash`` from ``source``'s objects into ``row``."""
-        if source is None:
-            flags = self.backend.get([self.key(region, page_hash)], [row])
-            self._count_read([row], flags)
-            return all(flags)
-        plan = source.region(region.name)
-        keys = [self._source_key(region.name.value, r, page_hash) for r in plan.reads]
-        bufs = [row if r.direct else torch.empty(r.shape, dtype=plan.dtype) for r in plan.reads]
-        flags = self.backend.get(keys, bufs)
-        self._count_read(bufs, flags)
-        if not all(flags):
-            return False
-        for read, buf in zip(plan.reads, bufs, strict=True):
-            if not read.direct:
-                assemble(read, buf, row)
-        return True
-
-    def _read_state(self, job: Prefetch, pages: int) -> bool:
-        """Read the state stored at the end of page ``pages`` into the job's host slot:
-        this mesh's objects first, then (for a resharding job) the other meshes'."""
-        if job.host_slot is None:
-            return True
-        keys = [self.key(r, job.hashes[pages - 1]) for r in self._slotted]
-        rows = [self._host.row(r.name, job.host_slot) for r in self._slotted]
-        flags = self.backend.get(keys, rows) if keys else []
-        self._count_read(rows, flags)
-        if all(flags):
-            return True
-        for src in job.state_sources:
-            h = job.hashes[pages - 1]
-            if all(
-                [self._read_row(src, r, h, row) for r, row in zip(self._slotted, rows, strict=True)]
-            ):
-                job.state_resharded = True
-                return True
-        return False
-
-    def _count_read(self, rows: list[torch.Tensor], flags: list[bool]) -> None:
-        nbytes = sum(r.numel() * r.element_size() for r, ok in zip(rows, flags, strict=True) if ok)
-        self._stats.record_get(len(flags) - sum(flags), nbytes)
 
     def cancel_prefetch(self, job: Prefetch) -> None:
         """Abandon a prefetch (its request was aborted): stop it and free its reservation."""
@@ -408,7 +243,7 @@ class StorageTier:
         local = job.num_pages if complete else self._deepest_state(job, job.pages_done)
         pages = self._agree.min(local)
         if pages:
-            ok = complete if pages == job.num_pages else self._read_state(job, pages)
+            ok = complete if pages == job.num_pages else self._prefetch.read_state(job, pages)
             if not self._agree.all_true(ok):
                 pages = 0
         outcome = "completed" if pages == job.num_pages else "partial" if pages else "aborted"

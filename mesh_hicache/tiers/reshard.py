@@ -21,7 +21,9 @@ others         the whole dim
 a writer mesh and returns the reads (objects) and box copies that cover each reader
 element exactly once. Objects that overlap (B/C conv channels of a group replicated over
 the writer's tp ranks) are de-duplicated: a later writer keeps only what no earlier
-writer with the same other dims holds. Pure functions, no I/O.
+writer with the same other dims holds. Each read also lists the byte ranges of the
+object that its boxes touch (:func:`box_ranges`), so a backend with ranged reads fetches
+(and verifies) only the chunks holding them (``storage/objects.py``). Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from mesh_hicache.choices import CpKvMode, RegionName
 from mesh_hicache.layout import GlobalSlice, RegionLayout, StateLayout, all_layouts, ssm_group_range
 from mesh_hicache.spec import Family, MambaSpec, StateSpec
+from mesh_hicache.storage.objects import chunk_bytes_for, chunk_spans
 
 DimMap = tuple[tuple[int, int, int], ...]
 """Per dim of a row: ``(global start, global stop, local start)`` pieces in local order."""
@@ -77,6 +80,18 @@ class ObjectRead:
     copies: tuple[BoxCopy, ...]
     direct: bool
     """True when the object is exactly this reader's row (read into it, no copy)."""
+    ranges: tuple[tuple[int, int], ...]
+    """``(offset, length)`` byte ranges of the object's payload that ``copies`` read."""
+
+    def whole(self, itemsize: int) -> bool:
+        """True when the ranges are the whole object (read it with a plain get)."""
+        return self.ranges == ((0, _numel(self.shape) * itemsize),)
+
+    def bytes_read(self, itemsize: int) -> int:
+        """Payload bytes a ranged read fetches: the writer's chunks holding ``ranges``."""
+        nbytes = _numel(self.shape) * itemsize
+        chunk = chunk_bytes_for(self.shape, itemsize)
+        return sum(b - a for a, b in chunk_spans(self.ranges, nbytes, chunk))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +103,12 @@ class RegionPlan:
     dtype: torch.dtype
 
     def bytes_read(self) -> int:
-        item = self.dtype.itemsize
-        return sum(_numel(r.shape) for r in self.reads) * item
+        """Payload bytes fetched for one page/slot with ranged reads (chunk-rounded)."""
+        return sum(r.bytes_read(self.dtype.itemsize) for r in self.reads)
+
+    def bytes_read_whole(self) -> int:
+        """Payload bytes fetched for one page/slot when objects are read whole."""
+        return sum(_numel(r.shape) for r in self.reads) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +208,34 @@ def row_maps(layout: StateLayout, region: RegionLayout) -> tuple[DimMap, ...]:
     return (layers, conv, whole(2))
 
 
+def box_ranges(
+    shape: tuple[int, ...], boxes: tuple[tuple[slice, ...], ...], itemsize: int
+) -> tuple[tuple[int, int], ...]:
+    """The ``(offset, length)`` byte ranges of a C-contiguous ``shape`` tensor that the
+    ``boxes`` (one slice per dim each) cover, sorted and merged where they touch."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    runs: list[tuple[int, int]] = []
+    for box in boxes:
+        k = len(shape) - 1  # the innermost dim the box does not cover whole
+        while k > 0 and box[k].start == 0 and box[k].stop == shape[k]:
+            k -= 1
+        length = (box[k].stop - box[k].start) * strides[k] * itemsize
+        for idx in itertools.product(*(range(box[d].start, box[d].stop) for d in range(k))):
+            off = sum(i * strides[d] for d, i in enumerate(idx)) + box[k].start * strides[k]
+            runs.append((off * itemsize, length))
+    runs.sort()
+    merged: list[tuple[int, int]] = []
+    for off, length in runs:
+        if merged and merged[-1][0] + merged[-1][1] >= off:
+            a, n = merged[-1]
+            merged[-1] = (a, max(n, off + length - a))
+        else:
+            merged.append((off, length))
+    return tuple(merged)
+
+
 def _subtract(m: DimMap, other: DimMap) -> DimMap:
     """``m`` without the global coordinates ``other`` covers (local offsets kept)."""
     pieces = list(m)
@@ -269,7 +316,9 @@ def plan_region(
             and w_region.global_slice == region.global_slice
             and owned == dst_maps
         )
-        reads.append(ObjectRead(w_region.global_slice, w_region.local_shape, copies, direct))
+        shape = w_region.local_shape
+        ranges = box_ranges(shape, tuple(c.src for c in copies), region.dtype.itemsize)
+        reads.append(ObjectRead(w_region.global_slice, shape, copies, direct, ranges))
     want = _numel(tuple(sum(b - a for a, b, _ in m) for m in dst_maps))
     if covered != want:
         return None

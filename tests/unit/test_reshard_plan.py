@@ -144,6 +144,15 @@ def _layouts(spec: StateSpec, mid: MeshLayoutId) -> list[StateLayout] | None:
         return None
 
 
+def _only_ranges(obj: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """A copy of ``obj`` (float32) holding only the bytes of ``ranges``, NaN elsewhere."""
+    out = torch.full_like(obj, float("nan"))
+    src, dst = obj.view(torch.uint8), out.view(torch.uint8)
+    for off, length in ranges:
+        dst[off : off + length] = src[off : off + length]
+    return out
+
+
 @pytest.mark.parametrize("spec_name", list(_specs()))
 def test_every_reader_row_covered_exactly_once(spec_name: str) -> None:
     spec = _specs()[spec_name]
@@ -180,7 +189,8 @@ def test_every_reader_row_covered_exactly_once(spec_name: str) -> None:
                 for read in rp.reads:
                     obj = stored[(rp.region.value, read.slice.tag())]
                     assert obj.numel() == torch.Size(read.shape).numel()
-                    assemble(read, obj, dst)
+                    # Only the planned byte ranges arrive (a ranged read): the rest is NaN.
+                    assemble(read, _only_ranges(obj, read.ranges), dst)
                     for c in read.copies:
                         count[c.dst] += 1
                 n = len(region.local_layer_ids)
@@ -212,3 +222,76 @@ def test_invalid_writer_mesh_is_no_plan() -> None:
     spec = _specs()["hybrid_groups"]  # 4 SSM heads: tp=8 cannot split them
     reader = all_layouts(spec, (1, 1, 1))[0]
     assert plan_source(reader, MeshLayoutId(1, 1, 8, CpKvMode.REPLICATE)) is None
+
+
+# The issue's mesh pairs (writer -> reader, as pp x cp x tp / cp_kv), for the read cost.
+_R, _S = CpKvMode.REPLICATE, CpKvMode.SHARD
+COST_PAIRS = [
+    (MeshLayoutId(1, 1, 1, _R), MeshLayoutId(1, 1, 2, _R)),
+    (MeshLayoutId(1, 1, 2, _R), MeshLayoutId(1, 1, 1, _R)),
+    (MeshLayoutId(1, 1, 2, _R), MeshLayoutId(1, 1, 4, _R)),
+    (MeshLayoutId(1, 1, 1, _R), MeshLayoutId(2, 1, 1, _R)),
+    (MeshLayoutId(2, 1, 1, _R), MeshLayoutId(1, 1, 1, _R)),
+    (MeshLayoutId(1, 2, 1, _R), MeshLayoutId(1, 2, 1, _S)),
+    (MeshLayoutId(1, 2, 1, _S), MeshLayoutId(1, 2, 1, _R)),
+    (MeshLayoutId(1, 2, 2, _S), MeshLayoutId(2, 1, 2, _R)),
+    (MeshLayoutId(2, 2, 2, _S), MeshLayoutId(1, 1, 1, _R)),
+    (MeshLayoutId(1, 1, 1, _R), MeshLayoutId(2, 2, 2, _S)),
+]
+
+
+def _served_spec() -> StateSpec:
+    """Serving-sized row shapes (bf16 KV, head_dim 128; kv_heads 2 < tp 4 in one pair)."""
+    mamba = MambaSpec(
+        layer_ids=(0, 1, 2, 4, 5, 6),
+        conv_dim=8 * 64 + 2 * 2 * 128,
+        conv_kernel=4,
+        num_heads=8,
+        head_dim=64,
+        state_dim=128,
+        num_groups=2,
+        conv_dtype=torch.bfloat16,
+    )
+    kv = KVSpec(layer_ids=(3, 7), num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    return StateSpec(page_size=16, kv=kv, mamba=mamba)
+
+
+def _cost(spec: StateSpec, writer: MeshLayoutId, reader: MeshLayoutId) -> dict[str, float]:
+    """Worst reader rank's bytes fetched / bytes kept, per page (KV) and per state slot."""
+    worst = {"page": 0.0, "page_whole": 0.0, "state": 0.0, "state_whole": 0.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        readers = all_layouts(spec, (reader.pp, reader.cp, reader.tp), reader.cp_kv)
+    for lay in readers:
+        plan = plan_source(lay, writer)
+        assert plan is not None
+        for paged, name in ((True, "page"), (False, "state")):
+            rps = [plan.region(r.name) for r in lay.held_regions(paged=paged)]
+            kept = sum(
+                r.row_bytes * len(r.local_layer_ids) // r.num_layer_rows
+                for r in lay.held_regions(paged=paged)
+            )
+            if not kept:
+                continue
+            worst[name] = max(worst[name], sum(p.bytes_read() for p in rps) / kept)
+            whole = sum(p.bytes_read_whole() for p in rps) / kept
+            worst[name + "_whole"] = max(worst[name + "_whole"], whole)
+    return worst
+
+
+def test_ranged_reads_fetch_at_most_twice_what_a_reader_keeps(capsys) -> None:
+    spec = _served_spec()
+    lines = []
+    for writer, reader in COST_PAIRS:
+        cost = _cost(spec, writer, reader)
+        lines.append(
+            f"{writer.describe()} -> {reader.describe()}: pages {cost['page']:.2f} "
+            f"(whole {cost['page_whole']:.2f}), states {cost['state']:.2f} "
+            f"(whole {cost['state_whole']:.2f})"
+        )
+        assert cost["page"] <= 2.0 and cost["state"] <= 2.0, lines[-1]
+        assert cost["page"] <= cost["page_whole"] and cost["state"] <= cost["state_whole"]
+    # Without ranged reads the 2x2x2 <- 1x1x1 pair fetches 8x what a rank keeps.
+    assert _cost(spec, *COST_PAIRS[-1])["page_whole"] >= 8.0
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

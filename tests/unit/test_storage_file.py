@@ -86,7 +86,7 @@ def _corrupt_case(store, how: str) -> None:
     path = store.object_path(key(1))
     data = bytearray(path.read_bytes())
     if how == "checksum":
-        data[HEADER_SIZE + 7] ^= 0x40
+        data[-7] ^= 0x40  # a payload byte (the payload ends the file)
         path.write_bytes(bytes(data))
     elif how == "short":
         path.write_bytes(bytes(data[:-5]))

@@ -76,7 +76,8 @@ def test_corrupt_chunk_inside_the_ranges_is_a_miss_outside_is_not_read(store):
     store.put_one(key(3), src)
     path = store.object_path(key(3))
     data = bytearray(path.read_bytes())
-    data[HEADER_SIZE + 8] ^= 0x10  # head 0 of the first (l, kv, t) run
+    start = HEADER_SIZE + table_size(src.nbytes, 64, store.codec.keyed)  # the payload
+    data[start + 8] ^= 0x10  # head 0 of the first (l, kv, t) run
     path.write_bytes(bytes(data))
     dst = torch.zeros_like(src)
     assert store.get_ranges([key(3)], [dst], [head_ranges(src, (2, 4))]) == [True]
@@ -92,7 +93,7 @@ def test_forged_chunk_table_is_a_miss(store):
     store.put_one(key(4), src)
     path = store.object_path(key(4))
     data = bytearray(path.read_bytes())
-    data[HEADER_SIZE + src.nbytes + 20] ^= 1  # inside the chunk tags
+    data[HEADER_SIZE + 20] ^= 1  # inside the chunk tags
     path.write_bytes(bytes(data))
     dst = torch.zeros_like(src)
     assert store.get_ranges([key(4)], [dst], [head_ranges(src, (0, 2))]) == [False]
