@@ -27,6 +27,7 @@ import torch
 
 from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
 from mesh_hicache.config import HiCacheConfig
+from mesh_hicache.pools.arena import ArenaPlan
 from mesh_hicache.radix.eviction import EvictionPolicy
 from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
 from mesh_hicache.topology import MeshTopology
@@ -157,6 +158,9 @@ def budget_config(
     else:
         common["enable_host"] = False
     if split == "arena":
+        # ValueError naming the model's bytes when a budget holds no page or no state.
+        for budget in (device_bytes, host_bytes) if host_bytes > 0 else (device_bytes,):
+            ArenaPlan.for_budget(budget, pb, sb)
         _, scale = arena_spec(profile, page_size)
         if host_bytes > 0:
             common["host_bytes"] = int(host_bytes * scale)
