@@ -3,6 +3,7 @@
     python scripts/bench_model.py                        # builds a Granite-4.0-H-like checkpoint
     python scripts/bench_model.py --model /models/ckpt --lengths 256 1024 --threads 2
     python scripts/bench_model.py --arch nemotron_h --json out.json
+    python scripts/bench_model.py --arch deepseek_v32 --lengths 256 1024   # MLA + DSA
 
 One process, one rank, float32, pinned threads (``--threads``; the process is also
 pinned to that many cores when the OS allows). For each prefill length the two
@@ -32,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.checkpoints import load_checkpoint  # noqa: E402
 from runtime.model import HybridModel  # noqa: E402
 
-ARCHS = ("granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35")
+ARCHS = (
+    "granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35", "deepseek_v32"
+)  # fmt: skip
 
 
 def build_checkpoint(arch: str, directory: Path) -> Path:
@@ -88,6 +91,31 @@ def build_checkpoint(arch: str, directory: Path) -> Path:
         else:
             config = transformers.Qwen3_5TextConfig(**gdn)
             model = transformers.Qwen3_5ForCausalLM(config)
+    elif arch == "deepseek_v32":  # MLA + lightning indexer (top-256) + MoE, 1 dense layer
+        config = transformers.DeepseekV32Config(
+            vocab_size=8192,
+            hidden_size=512,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            num_hidden_layers=len(layers),
+            first_k_dense_replace=1,
+            intermediate_size=1536,
+            moe_intermediate_size=512,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=384,
+            kv_lora_rank=256,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            index_n_heads=8,
+            index_head_dim=64,
+            index_topk=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        model = transformers.DeepseekV32ForCausalLM(config)
     elif arch == "bamba":
         config = transformers.BambaConfig(
             **common,

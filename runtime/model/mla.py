@@ -152,17 +152,52 @@ class MLAttention:
         return chosen & causal
 
     def _attend(self, q: Tensor, latent: Tensor, allowed: Tensor, dtype: torch.dtype) -> Tensor:
-        """Softmax attention of ``q`` over the ``allowed`` keys expanded from ``latent``;
-        returns this rank's partial output projection ``[T, D]`` (before the tp reduce)."""
-        length, r = latent.shape[0], self.rope_dim
-        kv = F.linear(latent[:, : self.kv_rank], self.kv_b).view(length, self.num_heads, -1)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k_rot = latent[:, None, self.kv_rank :].expand(length, self.num_heads, r)
+        """Softmax attention of ``q`` over the ``allowed`` keys of ``latent``; returns this
+        rank's partial output projection ``[T, D]`` (before the tp reduce).
+
+        Two exact forms, the cheaper one for the shape: *expanded* (``kv_b`` turns every
+        key's latent into per-head keys / values: prefill) or *absorbed* (``kv_b`` folds
+        into the query and the output, attention runs in the latent space over the
+        selected keys only: decode and short suffixes after a long prefix).
+        """
+        t, length = q.shape[0], latent.shape[0]
+        nope, r, v, c = self.nope, self.rope_dim, self.v_dim, self.kv_rank
+        expanded = length * c * (nope + v) + t * length * (nope + r + v)
+        absorbed = t * c * (nope + v) + t * length * (2 * c + r)
+        if absorbed < expanded:
+            return self._attend_absorbed(q, latent, allowed, dtype)
+        return self._attend_expanded(q, latent, allowed, dtype)
+
+    def _attend_expanded(
+        self, q: Tensor, latent: Tensor, allowed: Tensor, dtype: torch.dtype
+    ) -> Tensor:
+        length = latent.shape[0]
+        heads, nope, r, v, c = self.num_heads, self.nope, self.rope_dim, self.v_dim, self.kv_rank
+        kv = F.linear(latent[:, :c], self.kv_b).view(length, heads, -1)
+        k_nope, values = kv.split([nope, v], dim=-1)
+        k_rot = latent[:, None, c:].expand(length, heads, r)
         k = torch.cat([k_nope, k_rot], dim=-1)
         scores = torch.einsum("the,lhe->htl", q.float(), k.float()) * self.scale
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("htl,lhe->the", probs, v.float())
+        out = torch.einsum("htl,lhe->the", probs, values.float())
+        return F.linear(out.flatten(1).to(dtype), self.wo)
+
+    def _attend_absorbed(
+        self, q: Tensor, latent: Tensor, allowed: Tensor, dtype: torch.dtype
+    ) -> Tensor:
+        c, nope = self.kv_rank, self.nope
+        if q.shape[0] == 1:  # one query: keep only its selected keys
+            latent = latent[allowed[0].nonzero()[:, 0]]
+            allowed = allowed[:, : latent.shape[0]].new_ones(1, latent.shape[0])
+        w = self.kv_b.float().view(self.num_heads, nope + self.v_dim, c)
+        lat, k_rot = latent[:, :c].float(), latent[:, c:].float()
+        q_lat = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w[:, :nope])
+        scores = torch.einsum("thc,lc->htl", q_lat, lat)
+        scores = (scores + torch.einsum("thr,lr->htl", q[..., nope:].float(), k_rot)) * self.scale
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("thc,hvc->thv", torch.einsum("htl,lc->thc", probs, lat), w[:, nope:])
         return F.linear(out.flatten(1).to(dtype), self.wo)
 
     # -- forward ------------------------------------------------------------------------------

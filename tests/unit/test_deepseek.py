@@ -170,3 +170,27 @@ def test_resume_from_every_tier_equals_recompute(directory: Path, one_rank_topol
     from tests.checkpoint_cases import assert_resume_from_every_tier
 
     assert_resume_from_every_tier(one_rank_topology, directory, tmp_path)
+
+
+@pytest.mark.parametrize("num_queries", [1, 5])
+def test_absorbed_attention_equals_expanded(directory: Path, num_queries: int) -> None:
+    # Decode (and short suffixes) fold kv_b into the query / output and attend in the
+    # latent space over the selected keys only; prefill expands every key. Same result.
+    model = _model(directory)
+    layer = model.blocks[1].mixer
+    ids = prompt_ids(PROMPT, seed=2)
+    state = model.new_state()
+    model.prefill(ids, state)
+    x = torch.randn(num_queries, model.config.d_model, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(PROMPT - num_queries, PROMPT)
+    q, q_idx, w_idx, _, _ = layer._project_in(x, positions)
+    latent = state.latent[layer.layer_id]
+    allowed = layer._select(q_idx, w_idx, state.index_k[layer.layer_id], positions)
+    assert int(allowed.sum(-1).max()) == INDEX_TOPK < PROMPT - num_queries
+    want = layer._attend_expanded(q, latent, allowed, x.dtype)
+    got = layer._attend_absorbed(q, latent, allowed, x.dtype)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # A different key set gives a different output: the mask is honoured.
+    other = layer._attend_absorbed(q, latent, allowed.roll(1, dims=-1), x.dtype)
+    assert (other - want).abs().max() > 1e-3
