@@ -83,6 +83,9 @@ class KVSpec:
         _check_layers("KVSpec", self.layer_ids)
         _check_positive("KVSpec", num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         _check_dtype("KVSpec", "dtype", self.dtype)
+        for name in ("mla", "values"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KVSpec.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def num_parts(self) -> int:
