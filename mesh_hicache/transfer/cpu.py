@@ -2,16 +2,16 @@
 
 Rows (a whole page of one layer part, e.g. 128 KiB for 64 tokens x 8 heads x 128 dims in
 bf16; never a token) are contiguous in both pools. An operation's row addresses come in
-bulk from :class:`~mesh_hicache.transfer.segments.SegmentTable`; each row (or merged run)
-is one ``ctypes.memmove`` straight from pool to pool, which releases the GIL, and the
-calls run inside ``map`` (no Python loop per row):
+bulk from :class:`~mesh_hicache.transfer.segments.SegmentTable` as int64 arrays, and the
+rows (or merged runs) are copied straight from pool to pool by ONE native call per list
+of rows (``mesh_hicache/native.py``: a C loop of ``memcpy``, GIL released); without the
+native build, by one ``ctypes.memmove`` per row inside ``map`` (no Python loop per row):
 
-- a load goes layer by layer, one ``map`` per layer, each layer published as soon as it
-  is in place;
+- a load goes layer by layer, one call per layer, each layer published as soon as it is
+  in place;
 - a backup (nothing waits for it layer by layer) and a load of at most
   ``SINGLE_PASS_BYTES`` go in one pass and publish every layer at once; there, rows of at
-  most ``SMALL_ROW_BYTES`` (4 KiB) go by one numpy fancy copy per pool buffer instead,
-  since one ``memmove`` call would cost more than its bytes.
+  most ``SMALL_ROW_BYTES`` (4 KiB) go by one numpy fancy copy per pool buffer instead.
 
 Measured on this project's 2-core CPU box (one thread, 64 rows of 32 KiB / 128 KiB):
 ``memmove`` per row 0.76x / 0.95x of one contiguous ``memmove`` of the same bytes, numpy
@@ -26,9 +26,13 @@ import collections
 import ctypes
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
+
+from mesh_hicache import native
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.transfer.engine import TransferEngine, _Op
+from mesh_hicache.transfer.segments import MemRows
 
 #: A load of at most this many bytes is copied in one pass and published at once: it
 #: takes less time (~25 us at memory bandwidth) than publishing it layer by layer costs.
@@ -44,10 +48,37 @@ class CpuTransferEngine(TransferEngine):
         if device_pools.device.type != "cpu":
             raise ValueError(f"CpuTransferEngine needs CPU device pools, got {device_pools.device}")
         super().__init__(device_pools, host_pools)
+        #: One native call per list of rows (mesh_hicache/native.py), or None: memmove per row.
+        self._copy_rows = native.row_copier()
+
+    def _copier(self, rows: MemRows) -> Callable[[int, int], None]:
+        """``copy(a, b)``: the copies ``[a, b)`` of ``rows``, in as few native calls as the
+        build allows (one with the native loop, else one ``memmove`` per row or run)."""
+        fn = self._copy_rows
+        if fn is not None:
+            block = rows.block
+            ptr, n = block.ctypes.data, block.shape[1]
+
+            def native_copy(a: int, b: int, keep: np.ndarray = block) -> None:
+                if b > a:  # ``keep``: the address arrays live as long as the copier
+                    fn(ptr + 8 * a, ptr + 8 * (n + a), ptr + 8 * (2 * n + a), b - a)
+
+            return native_copy
+        move = ctypes.memmove
+        sink: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
+        dst, src, size = rows.dst.tolist(), rows.src.tolist(), rows.size.tolist()
+
+        def python_copy(a: int, b: int) -> None:
+            if b - a > 4:
+                sink(map(move, dst[a:b], src[a:b], size[a:b]))  # the loop runs in C
+            else:  # a page or two: cheaper than three slices and a map
+                for i in range(a, b):
+                    move(dst[i], src[i], size[i])
+
+        return python_copy
 
     def _steps(self, op: _Op) -> Iterator[None]:
-        table, move, ready = self.segments, ctypes.memmove, self._layer_ready
-        sink: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
+        table, ready = self.segments, self._layer_ready
         last = len(self.layer_ids) - 1
         whole = op.backup or table.op_bytes(op.pages, op.slots) <= SINGLE_PASS_BYTES
         if whole and not op.inject:
@@ -59,22 +90,17 @@ class CpuTransferEngine(TransferEngine):
                 op.backup, op.pages, op.slots
             ):
                 dst_arr[dst_rows] = src_arr[src_rows]
-            dst, src, size, _ = table.mem_rows(op.backup, op.pages, op.slots, skip_small=True)
-            sink(map(move, dst, src, size))
+            if table.has_large_rows:
+                rows = table.mem_rows(op.backup, op.pages, op.slots, skip_small=True)
+                self._copier(rows)(0, rows.block.shape[1])
             ready(op, last)
             yield
             return
-        dst, src, size, bounds = table.mem_rows(op.backup, op.pages, op.slots)
-        a = 0
+        rows = table.mem_rows(op.backup, op.pages, op.slots)
+        copy, bounds = self._copier(rows), rows.bounds
         for pos in range(last + 1):
             if op.inject:
                 self._check_fault(op, pos)
-            b = bounds[pos + 1]
-            if b - a > 4:
-                sink(map(move, dst[a:b], src[a:b], size[a:b]))  # the loop runs in C
-            else:  # a page or two: cheaper than three slices and a map
-                for i in range(a, b):
-                    move(dst[i], src[i], size[i])
-            a = b
+            copy(bounds[pos], bounds[pos + 1])
             ready(op, pos)
             yield

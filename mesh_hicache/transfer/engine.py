@@ -207,9 +207,18 @@ class _Op:
         return self.handle.kind is TransferKind.BACKUP
 
 
+_NO_INDICES: IndexArray = np.zeros(0, dtype=np.int64)
+_NO_INDICES.flags.writeable = False
+#: Up to this many indices, bounds are checked on the Python ints (two C loops over a short
+#: list cost less than two numpy reductions).
+_SHORT = 32
+
+
 def _index_array(values: IndexList) -> IndexArray:
     if isinstance(values, torch.Tensor):
         values = values.detach().to("cpu").numpy()
+    elif not len(values):
+        return _NO_INDICES
     return np.array(values, dtype=np.int64, copy=True).reshape(-1)
 
 
@@ -340,10 +349,18 @@ class TransferEngine(abc.ABC):
         if len(pair) != 2:
             raise ValueError(f"{what} must be a pair (device indices, host indices)")
         d, h = _index_array(pair[0]), _index_array(pair[1])
-        if d.shape[0] != h.shape[0]:
-            raise ValueError(f"{what}: {d.shape[0]} device vs {h.shape[0]} host indices")
+        n = d.shape[0]
+        if n != h.shape[0]:
+            raise ValueError(f"{what}: {n} device vs {h.shape[0]} host indices")
+        if not n:
+            return d, h
         for name, idx, count in (("device", d, dev_count), ("host", h, host_count)):
-            if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= count):
+            if n <= _SHORT:
+                ints = idx.tolist()
+                lo, hi = min(ints), max(ints)
+            else:
+                lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= count:
                 raise ValueError(f"{what}: {name} index out of range [0, {count}): {idx.tolist()}")
         return d, h
 

@@ -138,12 +138,21 @@ def index_runs(src: IndexArray, dst: IndexArray) -> Runs:
 class MemRows(NamedTuple):
     """An operation's copies as raw addresses, layer-major: copy ``i`` moves ``size[i]``
     bytes from ``src[i]`` to ``dst[i]``; layer position ``p`` owns copies
-    ``[bounds[p], bounds[p + 1])``."""
+    ``[bounds[p], bounds[p + 1])``. ``block`` is one C-contiguous ``[3, copies]`` int64
+    array whose rows are ``dst``, ``src`` and ``size`` (one pointer for a native loop)."""
 
-    dst: list[int]
-    src: list[int]
-    size: list[int]
+    dst: np.ndarray
+    src: np.ndarray
+    size: np.ndarray
     bounds: list[int]
+    block: np.ndarray
+
+
+def _mem_rows(block: np.ndarray, bounds: list[int]) -> MemRows:
+    return MemRows(block[0], block[1], block[2], bounds, block)
+
+
+_NO_ROWS = np.zeros((3, 0), dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +188,8 @@ class SegmentTable:
         self._slot_bytes = sum(s.row_bytes for s in segments if not s.paged)
         self._blocks = _small_row_blocks(segments)
         small = {int(i) for b in self._blocks for i in b.ids}
+        #: Whether some segment's rows are not covered by :meth:`small_row_copies`.
+        self.has_large_rows = len(small) < len(segments)
         # Segments grouped by (index kind, mergeable, in a small-row block); ids ascending
         # = layer-major.
         self._groups: list[_Group] = []
@@ -247,15 +258,15 @@ class SegmentTable:
             parts.append((g.ids, dst.ravel(), src.ravel(), size))
         bounds = np.cumsum(counts)[self._layer_start].tolist()
         if not parts:
-            return MemRows([], [], [], bounds)
+            return _mem_rows(_NO_ROWS, bounds)
         if len(parts) == 1:  # one group: its rows are already layer-major
             _, dst, src, size = parts[0]
-            return MemRows(dst.tolist(), src.tolist(), size.tolist(), bounds)
+            return _mem_rows(np.stack((dst, src, size)), bounds)
         # Several groups: order every row by its segment (= layer-major order).
         seg = np.concatenate([np.repeat(ids, d.shape[0] // ids.shape[0]) for ids, d, _, _ in parts])
         order = np.argsort(seg, kind="stable")
-        dst, src, size = (np.concatenate([p[k] for p in parts])[order] for k in (1, 2, 3))
-        return MemRows(dst.tolist(), src.tolist(), size.tolist(), bounds)
+        block = np.concatenate([np.stack(p[1:]) for p in parts], axis=1)[:, order]
+        return _mem_rows(np.ascontiguousarray(block), bounds)
 
     def small_row_copies(
         self,

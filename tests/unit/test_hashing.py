@@ -166,7 +166,7 @@ def _python_chain(data: bytes, ps: int, ns: str, parent: bytes | None, start: in
 def test_both_hash_loops_give_the_documented_chain(
     native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mesh_hicache.radix import native as native_mod
+    from mesh_hicache import native as native_mod
 
     if native and not native_mod.available():
         pytest.skip("native page hash loop needs a C compiler (cc) and libcrypto")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from mesh_hicache import native
 from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools
 from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
@@ -404,18 +405,33 @@ def one_layer_spec() -> StateSpec:
 
 
 @pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
-@pytest.mark.parametrize("small_rows", [True, False], ids=["one-pass-numpy", "layer-wise-memmove"])
-def test_batched_random_ops_equal_naive_sequential_copies(make_spec, small_rows, monkeypatch):
+@pytest.mark.parametrize(
+    "small_rows, native_rows",
+    [(True, True), (False, True), (False, False)],
+    ids=["one-pass-numpy", "layer-wise-native", "layer-wise-memmove"],
+)
+def test_batched_random_ops_equal_naive_sequential_copies(
+    make_spec, small_rows, native_rows, monkeypatch
+):
     # These rows and ops are all small: copied in one pass, by numpy blocks, unless both
-    # thresholds are 0, which sends every row through memmove and loads layer by layer.
+    # thresholds are 0, which sends every row through the native row loop (one call per
+    # layer) or, without it, memmove per row, and loads layer by layer.
     if not small_rows:
         monkeypatch.setattr(segments_module, "SMALL_ROW_BYTES", 0)
         monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", 0)
+    if native_rows and native.row_copier() is None:
+        pytest.skip("native row copy loop needs a C compiler (cc) and libcrypto")
     gen = torch.Generator().manual_seed(7)
     layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
     dev = DevicePools(layout, num_pages=16, num_slots=6)
     host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
     eng = CpuTransferEngine(dev, host)
+    if not native_rows:
+        eng._copy_rows = None
+    calls: list[int] = []
+    if eng._copy_rows is not None:
+        real = eng._copy_rows
+        eng._copy_rows = lambda d, s, z, n: calls.append(n) or real(d, s, z, n)
     # One block per pool buffer: kv (K and V of every layer), indexer, conv, ssm.
     assert len(eng.segments._blocks) == (4 if small_rows else 0)
     randomize(dev, gen)
@@ -466,6 +482,12 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec, small_rows,
     assert all(h.wait(timeout=30) for h in handles)
     # The 39 ops queued while op 0 ran went in the same wake-up, all on the worker.
     assert eng.num_batches == 1 and threads == {eng._worker.name}
+    # Small rows all went by numpy blocks; otherwise the native loop copied each layer's
+    # rows in one call (several rows per call), when it was in use.
+    if small_rows:
+        assert calls == []
+    else:
+        assert bool(calls) == native_rows and (not native_rows or max(calls) > 1)
     eng.close()
     for kind, pages, slots in ops:
         naive_apply(ref_dev, ref_host, kind, pages, slots)
@@ -504,13 +526,20 @@ def test_bulk_row_addresses_equal_naive_row_pointers(make_spec, backup):
                 expected.append((dst.data_ptr(), src.data_ptr(), row))
         got = []  # this layer's copies, merged runs expanded back into rows
         a, b = rows.bounds[pos], rows.bounds[pos + 1]
-        for d, s, z in zip(rows.dst[a:b], rows.src[a:b], rows.size[a:b], strict=True):
+        dst, src, size = (rows.block[k, a:b].tolist() for k in range(3))
+        assert [dst, src, size] == [
+            rows.dst[a:b].tolist(),
+            rows.src[a:b].tolist(),
+            rows.size[a:b].tolist(),
+        ]
+        for d, s, z in zip(dst, src, size, strict=True):
             row = next(r for dd, _, r in expected if dd == d)
             assert z % row == 0
             merged_any |= z > row
             got += [(d + i * row, s + i * row, row) for i in range(z // row)]
         assert got == expected, layer
-    assert rows.bounds[0] == 0 and rows.bounds[-1] == len(rows.dst)
+    assert rows.bounds[0] == 0 and rows.bounds[-1] == len(rows.dst) == rows.block.shape[1]
+    assert rows.block.flags.c_contiguous and rows.block.dtype == np.int64
     assert merged_any == (make_spec is one_layer_spec)
     eng.close()
 

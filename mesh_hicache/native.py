@@ -1,19 +1,22 @@
-"""Optional native loop for chained page hashes (docs/DESIGN.md section 5).
+"""Optional native loops for the two hot loops Python pays per item (docs/DESIGN.md 5, 6).
 
-``hashing.packed_page_hashes`` costs one Python-level SHA-256 object per page, most of it
-interpreter and OpenSSL context set-up rather than hashing. This module compiles, on first
-use, a 30-line C loop that hashes every page of one call with OpenSSL's ``SHA256_*``
-functions (the same bytes, the same digests: v2 encoding, tested equal to the Python
-path) and calls it once per call through ``ctypes`` (which releases the GIL).
+- ``chain``: chained page hashes (``radix/hashing.py``). In Python each page costs one
+  SHA-256 object, mostly interpreter and OpenSSL context set-up; here one call hashes
+  every page with OpenSSL's ``SHA256_*`` (the same bytes, the same v2 digests: tested
+  equal to the Python loop).
+- ``copy_rows``: the CPU transfer engine's row copies (``transfer/cpu.py``). In Python each
+  row is one ``ctypes.memmove`` call (about 1 us each, GIL released and taken back);
+  here one call copies a whole list of rows given as arrays of addresses and sizes.
 
-It needs a C compiler (``cc``) and ``libcrypto`` (the OpenSSL library Python's hashlib
-uses already; no headers: the few declarations are below). When either is missing, or
-anything else fails, ``chain`` returns None for good and callers use the Python loop:
-the results are identical, only slower. The shared object is built once per user and
-source version in ``$XDG_CACHE_HOME/mesh_hicache`` (or ``~/.cache/mesh_hicache``; a
-private temporary folder when that is not a directory of this user's that only they can
-write), under a name derived from the source, and written atomically (concurrent ranks
-may build it at the same time).
+A 40-line C source, compiled on first use and called through ``ctypes`` (which releases
+the GIL for the call). It needs a C compiler (``cc``) and ``libcrypto`` (the OpenSSL
+library Python's hashlib uses already; no headers: the few declarations are below). When
+either is missing, or anything else fails, ``available()`` is False for good and callers
+use their Python loops: the results are identical, only slower. The shared object is built
+once per user and source version in ``$XDG_CACHE_HOME/mesh_hicache`` (or
+``~/.cache/mesh_hicache``; a private temporary folder when that is not a directory of this
+user's that only they can write), under a name derived from the source, and written
+atomically (concurrent ranks may build it at the same time).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 _SOURCE = r"""
 #include <stddef.h>
@@ -53,10 +57,18 @@ int mh_chain(const unsigned char *prefix, const unsigned char *parent,
     }
     return 0;
 }
+
+/* memcpy(dst[i], src[i], size[i]) for i < n: the rows of one transfer (never overlapping:
+   one side is a device pool, the other a host pool). */
+void mh_copy_rows(const long long *dst, const long long *src, const long long *size, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++)
+        memcpy((void *)(size_t)dst[i], (const void *)(size_t)src[i], (size_t)size[i]);
+}
 """
 
 _lock = threading.Lock()
-_fn: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_dll: ctypes.CDLL | None = None
 _tried = False
 
 
@@ -73,7 +85,7 @@ def _cache_dir() -> str:
     return tempfile.mkdtemp(prefix="mesh_hicache_native_")
 
 
-def _build() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _build() -> ctypes.CDLL | None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or not sys.platform.startswith("linux"):
         return None
@@ -97,23 +109,30 @@ def _build() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
             for leftover in (src, tmp):
                 if os.path.exists(leftover):
                     os.remove(leftover)
-    fn = ctypes.CDLL(lib).mh_chain
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
-    fn.argtypes += [ctypes.c_size_t] * 3 + [ctypes.c_char_p]
-    return fn
+    dll = ctypes.CDLL(lib)
+    dll.mh_chain.restype = ctypes.c_int
+    dll.mh_chain.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
+    dll.mh_chain.argtypes += [ctypes.c_size_t] * 3 + [ctypes.c_char_p]
+    dll.mh_copy_rows.restype = None
+    dll.mh_copy_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t]
+    return dll
 
 
-def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _fn, _tried
+def _load() -> ctypes.CDLL | None:
+    global _dll, _tried
     with _lock:
         if not _tried:
             try:
-                _fn = _build()
-            except Exception:  # any failure: the Python loop serves (identical results)
-                _fn = None
+                _dll = _build()
+            except Exception:  # any failure: the Python loops serve (identical results)
+                _dll = None
             _tried = True
-    return _fn
+    return _dll
+
+
+def available() -> bool:
+    """Whether the native loops are in use (builds them on the first call)."""
+    return (_dll if _tried else _load()) is not None
 
 
 def chain(
@@ -123,17 +142,21 @@ def chain(
     page ``i`` is ``sha256(prefix + previous + page)`` (``prefix``: 64 bytes, the first
     previous is ``parent``: 32 bytes). None when the native loop is unavailable. The
     caller checks the bounds (``offset + pages * step <= len(data)``)."""
-    fn = _fn if _tried else _load()
-    if fn is None:
+    dll = _dll if _tried else _load()
+    if dll is None:
         return None
     assert len(prefix) == 64 and len(parent) == 32 and offset + pages * step <= len(data)
     out = ctypes.create_string_buffer(32 * pages)
-    if fn(prefix, parent, data, offset, step, pages, out) != 0:
+    if dll.mh_chain(prefix, parent, data, offset, step, pages, out) != 0:
         return None
     raw = out.raw
     return [raw[i : i + 32] for i in range(0, 32 * pages, 32)]
 
 
-def available() -> bool:
-    """Whether the native loop is in use (builds it on the first call)."""
-    return (_fn if _tried else _load()) is not None
+def row_copier() -> Callable[[int, int, int, int], None] | None:
+    """``copy(dst, src, size, n)``: ``memcpy`` of ``n`` rows whose addresses and byte
+    counts are the int64 arrays at addresses ``dst``, ``src`` and ``size`` (one native
+    call, GIL released), or None when unavailable. Raw memory: the caller guarantees
+    every address range is valid and the two sides never overlap."""
+    dll = _dll if _tried else _load()
+    return None if dll is None else dll.mh_copy_rows
