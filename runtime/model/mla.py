@@ -62,7 +62,7 @@ class MLAttention:
     """Weights by logical name (under ``prefix``): ``q_a`` ``[Lq, D]``, ``q_a_norm`` ``[Lq]``,
     ``q_b`` ``[heads*(N+R), Lq]``, ``kv_a`` ``[Lkv+R, D]``, ``kv_a_norm`` ``[Lkv]``, ``kv_b``
     ``[heads*(N+V), Lkv]``, ``o`` ``[D, heads*V]``; indexer ``index_q`` ``[Hi*Di, Lq]``,
-    ``index_k`` ``[Di, D]``, ``index_norm`` / ``index_norm_bias`` ``[Di]``, ``index_w``
+    ``index_k`` ``[Di, D]``, ``index_norm`` / ``index_norm_bias`` ``[Di]``, ``index_w`` (float32)
     ``[Hi, D]``. ``cp_kv`` / ``page_size`` say which tokens this cp rank keeps (SeqState).
     """
 
@@ -89,8 +89,10 @@ class MLAttention:
         self.num_heads = h1 - h0
         qk, kv = self.nope + self.rope_dim, self.nope + self.v_dim
         get, dtype = weights.get, c.dtype
-        # One GEMM from x: [q_a | kv_a | index_k | index_w] (all replicated over tp).
-        w_in = [get(f"{prefix}.{n}") for n in ("q_a", "kv_a", "index_k", "index_w")]
+        # One GEMM from x: [q_a | kv_a | index_k] (all replicated over tp). The indexer's
+        # head weights stay float32 (as DeepSeek keeps them): they steer the top-k.
+        w_in = [get(f"{prefix}.{n}") for n in ("q_a", "kv_a", "index_k")]
+        self.index_w = get(f"{prefix}.index_w").float()
         self.sizes = [w.shape[0] for w in w_in]
         self.w_in = torch.cat(w_in).to(dtype)
         self.q_a_norm = get(f"{prefix}.q_a_norm").to(dtype)
@@ -106,7 +108,8 @@ class MLAttention:
 
     def to(self, device: torch.device) -> None:
         for name in (
-            "w_in", "q_a_norm", "kv_a_norm", "q_b", "kv_b", "wo", "index_norm", "index_norm_bias"
+            "w_in", "q_a_norm", "kv_a_norm", "q_b", "kv_b", "wo", "index_w", "index_norm",
+            "index_norm_bias",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name).to(device))
 
@@ -116,7 +119,7 @@ class MLAttention:
         """(queries ``[T, H, N+R]``, indexer queries ``[T, Hi, Di]``, indexer head weights
         ``[T, Hi]`` float32, latents ``[T, Lkv+R]``, indexer keys ``[T, Di]``)."""
         t, r = x.shape[0], self.rope_dim
-        q_c, ckv, k_idx, w_idx = F.linear(x, self.w_in).split(self.sizes, dim=-1)
+        q_c, ckv, k_idx = F.linear(x, self.w_in).split(self.sizes, dim=-1)
         q_c = rms_norm(q_c, self.q_a_norm, LORA_NORM_EPS)
         q, q_idx = F.linear(q_c, self.q_b).split(
             [self.num_heads * (self.nope + r), self.index_heads * self.index_dim], dim=-1
@@ -138,7 +141,7 @@ class MLAttention:
             k_idx, (self.index_dim,), self.index_norm, self.index_norm_bias, LORA_NORM_EPS
         )
         k_idx = rope(k_idx[:, None], positions, self.theta, r)[:, 0]
-        w_idx = w_idx.float() * self.index_heads**-0.5
+        w_idx = F.linear(x.float(), self.index_w) * self.index_heads**-0.5
         return q, q_idx, w_idx, latent, k_idx
 
     def _select(self, q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, q_pos: Tensor) -> Tensor:

@@ -194,3 +194,21 @@ def test_absorbed_attention_equals_expanded(directory: Path, num_queries: int) -
     # A different key set gives a different output: the mask is honoured.
     other = layer._attend_absorbed(q, latent, allowed.roll(1, dims=-1), x.dtype)
     assert (other - want).abs().max() > 1e-3
+
+
+def test_bfloat16_close_to_transformers(directory: Path, hf) -> None:
+    # bfloat16 rounding moves transformers' own logits from its float32 ones; ours must
+    # stay as close to float32 as transformers' bfloat16 (at most 1.5x its error).
+    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
+    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    assert model.blocks[0].mixer.w_in.dtype == torch.bfloat16
+    assert model.blocks[0].mixer.index_w.dtype == torch.float32
+    ids = prompt_ids(PROMPT)
+    with torch.no_grad():
+        exact = hf(ids[None]).logits[0].float()
+        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
+    got = model.prefill(ids, model.new_state(), all_logits=True)
+    assert model.new_state().latent[0].dtype == torch.bfloat16
+    their_err = (theirs - exact).abs().max()
+    assert 0 < their_err < 0.5 * exact.abs().max()
+    assert (got - exact).abs().max() <= 1.5 * their_err
