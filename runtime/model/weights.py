@@ -29,6 +29,12 @@ name                           shape           what
 ``blocks.b.experts.e.*``       as the MLP      routed expert ``e``
 ``blocks.b.shared.*``          as the MLP      shared expert
 =============================  ==============  ===========================================
+
+MLA blocks (``runtime.model.mla``): ``q_a`` ``[Lq, D]``, ``q_a_norm`` ``[Lq]``, ``q_b``
+``[H*(N+R), Lq]``, ``kv_a`` ``[Lkv+R, D]``, ``kv_a_norm`` ``[Lkv]``, ``kv_b``
+``[H*(N+V), Lkv]``, ``o`` ``[D, H*V]`` and the lightning indexer's ``index_q``
+``[Hi*Di, Lq]``, ``index_k`` ``[Di, D]``, ``index_norm`` / ``index_norm_bias`` ``[Di]``,
+``index_w`` ``[Hi, D]``.
 """
 
 from __future__ import annotations
