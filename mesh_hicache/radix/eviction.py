@@ -55,8 +55,9 @@ class NodeStats(NamedTuple):
     """``prefix_len`` of the nearest ancestor that could serve a hit instead of this node:
     with Mamba the nearest one holding a state (0: the zero state at the root), without
     Mamba the parent. Refreshed whenever the node is re-queued (``path_stats`` policies)."""
-    is_leaf: bool = False
-    """Whether the node has no children (evicting its state then removes it)."""
+    num_children: int = 0
+    """Children of the node (none: evicting its state removes it; one: its state serves
+    only requests that end exactly there)."""
     serves: bool = True
     """Whether a hit can end at the node (with Mamba: it holds a state)."""
     inflation: float = 0.0
@@ -69,7 +70,7 @@ class EvictionPolicy(abc.ABC):
     monotone: bool = True
     """Whether ``priority`` never decreases as ``last_access`` and ``hit_count`` grow."""
     path_stats: bool = False
-    """Whether ``priority`` reads ``prefix_len`` / ``anchor_len`` / ``is_leaf`` / ``serves``
+    """Whether ``priority`` reads ``prefix_len`` / ``anchor_len`` / ``num_children`` / ``serves``
     (the queues then fill them: a walk up to the nearest state per re-queue)."""
     aging: bool = False
     """GreedyDual aging: the queues keep one clock per tier (device, host) that becomes the
@@ -170,7 +171,7 @@ class CostModel:
         the node goes with them; only the state when an inner node loses it)."""
         kv = stats.num_tokens * self.kv_bytes_per_token
         state = self.state_bytes if stats.has_mamba_state else 0.0
-        if target in _STATE_TARGETS and not stats.is_leaf:
+        if target in _STATE_TARGETS and stats.num_children:
             return state or kv
         return kv + state
 
@@ -190,20 +191,55 @@ class CostPolicy(EvictionPolicy):
     becomes each victim's priority, so an untouched node ages relative to the ones touched
     after it (GreedyDual-Size). Online, deterministic, heap-friendly: a touch only raises
     a priority, so queues re-rank lazily (``monotone``).
+
+    Bytes freed: a leaf frees its state and the pages back to its anchor (``run_bytes``:
+    the stateless nodes above it go with it); an inner node's state eviction frees the
+    state only. A state at an inner node with one child serves only requests that end
+    exactly there (in a chat, an older turn: the next turn resumes from the newest), so
+    its saving counts ``lone_state`` of itself; at a branch point (two children or more)
+    requests do diverge there, and it counts whole. ``frequency``: scale the saving by
+    ``1 + hit_count`` (GreedyDual-Size-Frequency; off: it measured no better).
     """
 
     path_stats = True
     aging = True
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        *,
+        lone_state: float = 0.1,
+        run_bytes: bool = True,
+        frequency: bool = False,
+    ) -> None:
         if not isinstance(cost, CostModel):
             raise TypeError(f"CostPolicy needs a CostModel, got {cost!r}")
         self.cost = cost
+        self.lone_state = lone_state
+        self.run_bytes = run_bytes
+        self.frequency = frequency
 
     def value(self, stats: NodeStats, target: EvictTarget) -> float:
         """Saved FLOPs per freed byte (>= 0)."""
-        size = self.cost.node_bytes(stats, target)
-        return self.cost.saved_flops(stats) / size if size else 0.0
+        cost = self.cost
+        saved = cost.saved_flops(stats)
+        if not saved:
+            return 0.0
+        if stats.num_children:
+            if target in _STATE_TARGETS:
+                if stats.num_children == 1:
+                    saved *= self.lone_state
+                size = cost.state_bytes
+            else:
+                size = cost.node_bytes(stats, target)
+        else:
+            tokens = stats.num_tokens
+            if self.run_bytes:
+                tokens = max(tokens, stats.prefix_len - stats.anchor_len)
+            size = tokens * cost.kv_bytes_per_token + cost.state_bytes
+        if self.frequency:
+            saved *= 1 + stats.hit_count
+        return saved / size if size else 0.0
 
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
         return (stats.inflation + self.value(stats, target), stats.last_access)
@@ -240,10 +276,14 @@ class MarconiPolicy(EvictionPolicy):
             raise ValueError(f"MarconiPolicy alpha must be >= 0, got {alpha!r}")
         self.cost = cost
         self.alpha = float(alpha)
-        self._values = CostPolicy(cost)
+
+    def efficiency(self, stats: NodeStats, target: EvictTarget) -> float:
+        """Saved FLOPs (back to the nearest state) per byte the eviction frees."""
+        size = self.cost.node_bytes(stats, target)
+        return self.cost.saved_flops(stats) / size if size else 0.0
 
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
-        return (stats.last_access, self._values.value(stats, target))
+        return (stats.last_access, self.efficiency(stats, target))
 
     def select(self, entries: list[tuple[Any, ...]], target: EvictTarget) -> int | None:
         if len(entries) < 2 or self.alpha == 0:

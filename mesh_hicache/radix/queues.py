@@ -175,7 +175,7 @@ class EvictionQueues:
             node.has_mamba_state,
             node.prefix_len,
             node.anchor_len,
-            not node.children,
+            len(node.children),
             node.has_mamba_state or not self._has_mamba,
             inflation,
         )

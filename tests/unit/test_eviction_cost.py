@@ -74,14 +74,25 @@ def test_cost_model_rejects_bad_numbers(bad):
 
 def test_value_counts_tokens_back_to_the_nearest_state_and_the_bytes_freed():
     policy = CostPolicy(COST)
-    leaf = NodeStats(0, 0, 8, True, prefix_len=24, anchor_len=16, is_leaf=True, serves=True)
+    leaf = NodeStats(0, 0, 8, True, prefix_len=24, anchor_len=16, num_children=0, serves=True)
     # A leaf frees its pages and its state for either target.
     want = COST.flops(16, 24) / (8 + 40)
     assert policy.value(leaf, EvictTarget.DEVICE_KV) == pytest.approx(want)
     assert policy.value(leaf, EvictTarget.MAMBA_DEVICE) == pytest.approx(want)
-    # An inner node's state eviction frees only the state.
-    inner = leaf._replace(is_leaf=False)
-    assert policy.value(inner, EvictTarget.MAMBA_DEVICE) == pytest.approx(COST.flops(16, 24) / 40)
+    # An inner node's state eviction frees only the state. At a branch point (two
+    # children) requests diverge there: it saves what it saves.
+    branch = leaf._replace(num_children=2)
+    assert policy.value(branch, EvictTarget.MAMBA_DEVICE) == pytest.approx(COST.flops(16, 24) / 40)
+    # With one child only requests ending exactly there use it (a chat's older turn):
+    # worth ``lone_state`` of that.
+    lone = leaf._replace(num_children=1)
+    assert policy.value(lone, EvictTarget.MAMBA_DEVICE) == pytest.approx(
+        policy.lone_state * COST.flops(16, 24) / 40
+    )
+    assert 0 < policy.lone_state < 1
+    # A leaf below stateless nodes frees their pages too when it goes (run_bytes).
+    deep = leaf._replace(anchor_len=4)
+    assert policy.value(deep, EvictTarget.DEVICE_KV) == pytest.approx(COST.flops(4, 24) / (20 + 40))
     # A node no hit can end at (a tombstone) saves nothing.
     assert (
         policy.value(leaf._replace(serves=False, has_mamba_state=False), EvictTarget.DEVICE_KV) == 0
@@ -118,7 +129,7 @@ def test_anchor_is_the_nearest_ancestor_with_a_state():
     r = tree.insert(key(leaf), pools.pages(7), mamba_device_slot=pools.slot())
     queues = internals_queues(tree)
     stats = queues.stats(r.node, EvictTarget.DEVICE_KV)
-    assert (stats.prefix_len, stats.anchor_len, stats.is_leaf) == (28, 16, True)
+    assert (stats.prefix_len, stats.anchor_len, stats.num_children) == (28, 16, 0)
     # Without a state at ``base`` the leaf would fall back to the zero state at 0.
     base_node = tree.node_at(key(base))
     assert base_node is not None
