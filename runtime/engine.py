@@ -218,7 +218,7 @@ class Engine:
             pass  # Longer than L1 can hold (agreed on every rank): serve it uncached.
         # Checkpoints inside the prompt: where it branched off a stateless KV path, and the
         # last page boundary. Prefill is split there so the state can be captured.
-        # Admission (docs/DESIGN.md section 11): the prompt-end ones only when decode will
+        # Admission (docs/DESIGN.md section 9): the prompt-end ones only when decode will
         # not reach a page boundary (with a hook it may stop early: keep them).
         n_prompt = len(prompt)
         decode_cp = on_token is None and (n_prompt + num_new - 1) // ps > n_prompt // ps

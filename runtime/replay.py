@@ -4,7 +4,7 @@
 a prompt and a reply of known length: match one token short, load, finish_load,
 alloc_pages for prompt + reply, a Mamba checkpoint at the prompt's branch point (where it
 left a cached KV path that had no state) and, only when decoding will not reach a page
-boundary, at its last page boundary (admission: docs/DESIGN.md section 11), the inserts of
+boundary, at its last page boundary (admission: docs/DESIGN.md section 9), the inserts of
 the prompt checkpoints, a checkpoint at the last page boundary reached while decoding,
 its insert, release. Only the model's compute and the tensor copies are skipped, so the
 tree, the allocators and eviction see the same sequence of decisions as in the engine
@@ -137,6 +137,7 @@ def budget_config(
     state_share: float | None = None,
     policy: str | EvictionPolicy = "lru",
     split: str = "arena",
+    write_policy: str = "write_back",
 ) -> HiCacheConfig:
     """A ``HiCacheConfig`` whose L1 (and L2 when ``host_bytes`` > 0) fit the byte budgets.
 
@@ -145,7 +146,9 @@ def budget_config(
     ``HiCacheConfig``'s slot rule, ``fixed_split``) or ``share`` (fixed pools with
     ``state_share`` of each budget for states, ``share_split``; a given ``state_share``
     implies it). ``policy``: the eviction policy, ranking by the profile's bytes and FLOPs
-    (``ModelProfile.cost_model``)."""
+    (``ModelProfile.cost_model``). ``write_policy`` (with L2): ``write_back`` (what L1
+    evicts, pages and states, goes to L2, which evicts by the same policy) or
+    ``write_through`` (every insert is copied to L2)."""
     if state_share is not None:
         split = "share"
     if split not in SPLITS:
@@ -154,7 +157,7 @@ def budget_config(
     common: dict[str, Any] = dict(transfer="cpu", eviction_policy=policy)
     common["cost_model"] = profile.cost_model()
     if host_bytes > 0:
-        common["write_policy"] = "write_through"
+        common["write_policy"] = write_policy
     else:
         common["enable_host"] = False
     if split == "arena":
@@ -187,6 +190,7 @@ def budget_cache(
     state_share: float | None = None,
     policy: str | EvictionPolicy = "lru",
     split: str = "arena",
+    write_policy: str = "write_back",
 ) -> HiCache:
     """A ``HiCache`` on ``topology`` with small tensors and the tiers of ``budget_config``.
     Collective."""

@@ -108,6 +108,12 @@ def parser() -> argparse.ArgumentParser:
         "share: fixed pools with --state-share of each budget for states",
     )
     p.add_argument(
+        "--write-policy",
+        choices=("write_back", "write_through"),
+        default="write_back",
+        help="with --host-bytes: L1 victims go to L2 (write_back) or every insert does",
+    )
+    p.add_argument(
         "--state-share",
         type=float,
         default=None,
@@ -161,6 +167,7 @@ def replay(
         args.state_share,
         make_policy(name, prof, args.alpha if alpha is None else alpha),
         args.split,
+        args.write_policy,
     )
     cfg = cache.config
     player = Replayer(cache)
