@@ -24,9 +24,16 @@ the trees are filled to their size before timing starts; then the filled state i
 (``gc.freeze()``) and the collector runs between requests, never inside a timed op (an
 allocation by one tree must not bill a collection to the other).
 
+Eviction is also reported per removed node (mean and p99 of call time / nodes the call
+removed): a 1k-page tree holds a handful of nodes, so its calls remove fewer, larger
+victims than those of a 10k or 100k one, and per-call times compare different work.
+
 Also measured: chained page hashing per page (NEW: from packed bytes; OLD: ``page_hashes``
-over token ints) against a native hash of the same page bytes (``hashlib.sha256`` and
-Python's built-in ``hash``), alternated the same way.
+over token ints) against SGLang's native page hash approach (its key's ints into a uint32
+array, then one native call hashing every page with OpenSSL; rebuilt here in C from its
+description, compiled at run time) and against a native hash of the same page bytes
+(``hashlib.sha256`` and Python's built-in ``hash``), alternated the same way, at
+``--hash-page-sizes``.
 
     python scripts/bench_radix.py --json out.json            # 1k/10k/100k pages, ps 16/64
     python scripts/bench_radix.py --pages 1000 --page-sizes 16 --requests 300   # quick
@@ -149,6 +156,7 @@ class Side:
         self.hit_tokens = 0
         self.evict_calls = 0
         self.removed = {"evict": 0, "evict_m": 0}  # nodes removed by timed evictions
+        self.per_node: dict[str, list[int]] = {"evict": [], "evict_m": []}
         self.old = name == "old"
         # CPU time of this thread: time spent descheduled on a loaded machine is not counted.
         self.clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
@@ -176,6 +184,8 @@ class Side:
         if record:
             self.times[what].append(t1 - t0)
             self.removed[what] += nodes - self.tree.num_nodes
+            # Per removed node: the calls of a small tree remove fewer, larger victims.
+            self.per_node[what].append((t1 - t0) // max(1, nodes - self.tree.num_nodes))
         self._free(r)
 
     def request(self, prompt: list[int], reply: list[int], record: bool) -> None:
@@ -267,6 +277,8 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
             spent = sum(side.times[what]) / 1e3
             out[side.name][what]["nodes_removed"] = removed
             out[side.name][what]["us_per_removed_node"] = spent / removed if removed else None
+            per_node = summary(side.per_node[what])
+            out[side.name][what]["per_removed_node_p99_us"] = per_node.get("p99_us")
     o, n = out["old"], out["new"]
     # Both trees saw the same calls: equal hits and sizes say they behave the same.
     out["same_hits"] = all(o[k] == n[k] for k in ("hit_tokens", "tree_nodes", "tree_device_pages"))
@@ -477,6 +489,12 @@ def main() -> None:
                 line.append(
                     " ".join(f"{k}_x={v:.1f}" for k, v in r["speedup_old_over_new"].items())
                 )
+                e = r["new"]["evict"]
+                if e.get("n"):
+                    line.append(
+                        f"new evict per removed node {e['us_per_removed_node']:.1f}/"
+                        f"{e['per_removed_node_p99_us']:.1f} us (mean/p99)"
+                    )
                 line.append(f"same_hits={r['same_hits']}")
                 print("  ".join(line), flush=True)
     if args.json:

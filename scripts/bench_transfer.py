@@ -7,13 +7,16 @@ device and host pages are timed against the baseline: ONE contiguous copy of the
 bytes on one thread (CPU: ``ctypes.memmove``, torch pinned to one thread; CUDA: a
 ``copy_`` between a device tensor and a torch ``pin_memory`` tensor, i.e. a plain pinned
 ``cudaMemcpy``, in both directions). All functions of one size alternate within every
-repeat, so load from other processes hits them alike; medians are reported.
+repeat, so load from other processes hits them alike; medians are reported, of wall time
+and (CPU engine) of process CPU time too: on a machine shared with other processes the
+CPU-time ratio is the robust one (waiting for a core is not counted, for either side).
 
 Fixed cost per operation, on a 32-layer model with tiny rows (one page = 16 KiB): the
 latency of a one-page operation (submit to ``wait()``) minus the baseline's time for its
 bytes; the same per operation for a stream of one-page operations submitted back to back;
-and the process CPU time of a one-page operation minus the baseline's (which does not
-count waiting for a core held by other processes).
+the process CPU time of a one-page operation minus the baseline's (which does not count
+waiting for a core held by other processes); and the best (minimum) latency minus the
+baseline's best, what an idle core gives.
 
 ``--old REV`` (default ``4301f1e``, the engine before the bulk-address rewrite) extracts
 that revision's engine with ``git show`` into a temporary folder and measures it in the
@@ -63,20 +66,31 @@ def shuffled(fns: dict[str, Callable[[], None]], rep: int) -> list[tuple[str, Ca
     return items
 
 
-def timed(fns: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None]) -> dict:
-    """Median seconds of each function; the functions alternate within every repeat so
-    that load from other processes hits all of them alike, in a shuffled order (see
-    :func:`shuffled`). One warm-up round first."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+def timed(
+    fns: dict[str, Callable[[], None]], repeats: int, sync: Callable[[], None]
+) -> tuple[dict, dict, dict]:
+    """(median wall seconds, median process CPU seconds, best wall seconds) of each
+    function; the functions alternate within every repeat so that load from other
+    processes hits all of them alike, in a shuffled order (see :func:`shuffled`). One
+    warm-up round first. CPU time (every thread of this process) does not count waiting
+    for a core that other processes hold; the best wall time is what an idle core gives."""
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(repeats + 1):
         for name, fn in shuffled(fns, rep):
             sync()
-            start = time.perf_counter()
+            c0, start = time.process_time(), time.perf_counter()
             fn()
             sync()
             if rep:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - c0)
+    med = {name: statistics.median(ts) for name, ts in wall.items()}
+    return (
+        med,
+        {n: statistics.median(ts) for n, ts in cpu.items()},
+        {n: min(ts) for n, ts in wall.items()},
+    )
 
 
 def cpu_seconds(fns: dict[str, Callable[[], None]], repeats: int) -> dict:
@@ -195,7 +209,7 @@ def bench_bandwidth(args: argparse.Namespace, device: str, old: Callable | None)
                 fns[f"{name}_backup"] = lambda e=eng, d=dp, h=hp: _ok(e.backup((d, h)))
                 fns[f"{name}_load"] = lambda e=eng, d=dp, h=hp: _ok(e.load((d, h)))
             repeats = min(args.max_repeats, max(args.repeats, args.repeats * (4 * MiB) // nbytes))
-            t = timed(fns, repeats, sync)
+            t, c, _ = timed(fns, repeats, sync)
             row: dict[str, Any] = {"page_size": ps, "pages": pages, "op_bytes": nbytes}
             row["memcpy_gbps"] = nbytes / t["memcpy_d2h"] / 1e9
             row["memcpy_h2d_gbps"] = nbytes / t["memcpy_h2d"] / 1e9
@@ -203,6 +217,8 @@ def bench_bandwidth(args: argparse.Namespace, device: str, old: Callable | None)
                 for op, ref in (("backup", "memcpy_d2h"), ("load", "memcpy_h2d")):
                     row[f"{name}_{op}_gbps"] = nbytes / t[f"{name}_{op}"] / 1e9
                     row[f"{name}_{op}_ratio"] = t[ref] / t[f"{name}_{op}"]
+                    if device != "cuda":  # CPU copies: CPU time is the copy's own work
+                        row[f"{name}_{op}_cpu_ratio"] = c[ref] / c[f"{name}_{op}"]
             rows.append(row)
         for eng in engines.values():
             eng.close()
@@ -242,7 +258,7 @@ def bench_fixed_cost(args: argparse.Namespace, device: str, old: Callable | None
                 _ok(h)
 
         fns[f"{name}_load_stream"] = burst
-    t = timed(fns, args.fixed_repeats, sync)
+    t, _, best = timed(fns, args.fixed_repeats, sync)
     single = {k: f for k, f in fns.items() if k in ("memcpy",) or k.endswith(("backup", "load"))}
     cpu = cpu_seconds(single, max(5, args.fixed_repeats // 10))
     for eng in engines.values():
@@ -257,6 +273,7 @@ def bench_fixed_cost(args: argparse.Namespace, device: str, old: Callable | None
         for op in ("backup", "load"):
             out[f"{name}_{op}_op_us"] = t[f"{name}_{op}"] * 1e6
             out[f"{name}_{op}_fixed_us"] = (t[f"{name}_{op}"] - t["memcpy"]) * 1e6
+            out[f"{name}_{op}_best_fixed_us"] = (best[f"{name}_{op}"] - best["memcpy"]) * 1e6
             out[f"{name}_{op}_cpu_us"] = (cpu[f"{name}_{op}"] - cpu["memcpy"]) * 1e6
         per_op = (t[f"{name}_load_stream"] - t["memcpy_stream"]) / stream
         out[f"{name}_load_stream_fixed_us"] = per_op * 1e6
@@ -273,6 +290,8 @@ def print_tables(bandwidth: list[dict], fixed: dict, engines: list[str]) -> None
         for op in ("backup", "load"):
             cols.append(bench_common.Column(f"{name}_{op}_gbps", f"{name} {op} GB/s", "{:.2f}"))
             cols.append(bench_common.Column(f"{name}_{op}_ratio", "x memcpy", "{:.2f}"))
+            if f"{name}_{op}_cpu_ratio" in bandwidth[0]:
+                cols.append(bench_common.Column(f"{name}_{op}_cpu_ratio", "x (cpu)", "{:.2f}"))
     print(bench_common.markdown_table(bandwidth, cols))
     print()
     print(bench_common.key_value_table(fixed, "{:.1f}"))
@@ -406,7 +425,14 @@ def main() -> None:
         "min_ratio_at_4mib_plus": min(
             (min(r["new_backup_ratio"], r["new_load_ratio"]) for r in big), default=None
         ),
+        "min_cpu_ratio_at_4mib_plus": min(
+            (min(r.get("new_backup_cpu_ratio", 0), r.get("new_load_cpu_ratio", 0)) for r in big),
+            default=None,
+        ),
         "fixed_cost_us": max(fixed["new_backup_fixed_us"], fixed["new_load_fixed_us"]),
+        "best_fixed_cost_us": max(
+            fixed["new_backup_best_fixed_us"], fixed["new_load_best_fixed_us"]
+        ),
         "stream_fixed_cost_us": fixed["new_load_stream_fixed_us"],
         "fixed_cpu_us": max(fixed["new_backup_cpu_us"], fixed["new_load_cpu_us"]),
         "old_compared": old is not None,
