@@ -14,6 +14,7 @@ same calls in the same order (this program runs on a one-rank mesh).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -161,4 +162,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # Leave without interpreter finalization: gloo's worker threads may still be dropping
+    # a finished collective's tensors, which takes the GIL and aborts a finalizing
+    # interpreter (the runtime's entry points do the same: runtime.launch.exit_process).
+    os._exit(code)

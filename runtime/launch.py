@@ -9,6 +9,9 @@ the cache's agreement groups) fails a collective whose peer is dead or frozen wi
 ``--collective-timeout-s`` (default 60 s), so every other rank fails within that bound;
 ``mesh_failure`` turns the resulting error into one line naming the cause.
 
+Clean exit: the entry points (``runtime.serve``, ``runtime.server``, this module) end
+through ``exit_process`` once they have closed what they own (see its docstring).
+
     torchrun --nproc-per-node 8 -m runtime.launch --pp 2 --cp 2 --tp 2
     python -m runtime.launch            # one rank, no torchrun needed
 """
@@ -16,10 +19,12 @@ the cache's agreement groups) fails a collective whose peer is dead or frozen wi
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -98,6 +103,25 @@ def mesh_failure(err: BaseException) -> str | None:
     return f"a peer rank is dead or frozen (collective failed: {first})"
 
 
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` without interpreter finalization.
+
+    A gloo worker thread drops the tensors of a finished collective after the caller has
+    returned from it, and dropping a tensor that has a Python object takes the GIL. Once
+    the interpreter is finalizing, a thread asking for the GIL is ended with
+    ``pthread_exit``, whose unwind through gloo's C++ frames aborts the whole process
+    (SIGABRT, "terminate called without an active exception"; seen on a 2-rank serve
+    under load, core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncWork`` ->
+    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). ``destroy_process_group``
+    does not join those threads. Call this only after everything the process owns is
+    closed (cache, output files, process group): it flushes logging and the standard
+    streams and leaves with ``os._exit``."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -169,4 +193,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -37,6 +37,7 @@ from runtime.launch import (
     add_mesh_args,
     check_collective_timeout,
     env_storage_secret_file,
+    exit_process,
     init_mesh,
     mesh_failure,
 )
@@ -565,9 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One line, then leave at once: the mesh is gone, so shutting down cleanly
         # (flushes, worker joins, destroy_process_group) could block on the lost peer.
         print(f"runtime.serve: error: rank {dist.get_rank()}: {cause}", file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(3)
+        exit_process(3)
     if out.pop("leader"):
         print(f"mesh (pp, cp, tp) = {topology.shape}, cache = {args.cache}, model = {args.model}")
         print(format_summary(out["summary"]))
@@ -580,4 +579,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -49,7 +48,7 @@ from mesh_hicache.cache import HiCache
 from mesh_hicache.topology import MeshTopology
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine
-from runtime.launch import LaunchError, init_mesh, mesh_failure
+from runtime.launch import LaunchError, exit_process, init_mesh, mesh_failure
 from runtime.server_text import StreamDecoder, TextCodec
 from runtime.server_worker import (
     EngineWorker,
@@ -485,8 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cause is None:
             raise
         print(f"runtime.server: error: rank {topology.coords}: {cause}", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(3)
+        exit_process(3)
     if owns_group:
         dist.destroy_process_group()
     return code
@@ -521,4 +519,4 @@ def _lead(server: Server) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

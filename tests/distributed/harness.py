@@ -91,6 +91,9 @@ def _rank_main(
         os._exit(1)
     _report(conn, report, timeout)
     dist.destroy_process_group()
+    # No interpreter finalization: a gloo worker thread may still be dropping the last
+    # collective's tensors, and that aborts a finalizing process (runtime.launch.exit_process).
+    os._exit(0)
 
 
 def _encode(report: tuple[Any, ...]) -> bytes:
