@@ -261,12 +261,12 @@ class SegmentTable:
             return _mem_rows(_NO_ROWS, bounds)
         if len(parts) == 1:  # one group: its rows are already layer-major
             _, dst, src, size = parts[0]
-            return _mem_rows(np.stack((dst, src, size)), bounds)
+            return _mem_rows(np.concatenate((dst, src, size)).reshape(3, -1), bounds)
         # Several groups: order every row by its segment (= layer-major order).
         seg = np.concatenate([np.repeat(ids, d.shape[0] // ids.shape[0]) for ids, d, _, _ in parts])
         order = np.argsort(seg, kind="stable")
-        block = np.concatenate([np.stack(p[1:]) for p in parts], axis=1)[:, order]
-        return _mem_rows(np.ascontiguousarray(block), bounds)
+        rows = [np.concatenate([p[k] for p in parts])[order] for k in (1, 2, 3)]
+        return _mem_rows(np.concatenate(rows).reshape(3, -1), bounds)
 
     def small_row_copies(
         self,
