@@ -75,7 +75,9 @@ def test_serve_prompts_equals_transformers_generate(tmp_path: Path, mesh) -> Non
 
 
 @pytest.mark.parametrize(
-    ("shape", "cp_kv"), [((1, 2, 2), "shard"), ((2, 1, 2), "replicate")], ids=["1x2x2", "2x1x2"]
+    ("shape", "cp_kv"),
+    [((1, 2, 2), "shard"), ((2, 1, 2), "replicate"), ((2, 2, 2), "shard")],
+    ids=["1x2x2", "2x1x2", "2x2x2"],
 )
 def test_resume_from_every_tier_on_a_mesh(tmp_path: Path, shape, cp_kv: str) -> None:
     """L1 / L2 / L3 hits (aligned, unaligned, after evict/reload cycles) equal recompute
