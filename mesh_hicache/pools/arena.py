@@ -224,27 +224,37 @@ class _FreeRuns:
         return total
 
     def take(self, k: int, n: int, from_top: bool) -> list[int]:
-        """Carve ``n`` ``k``-block extents (caller checked ``count``); their starts."""
+        """Carve ``n`` ``k``-block extents (caller checked ``count``); their starts.
+
+        Best fit first: the smallest run that holds all ``n`` (ties: the lowest, or the
+        highest ``from_top``), so one call's items are consecutive and freeing them
+        together gives back one run; else first fit from the chosen end, run by run."""
+        need = n * k
+        fits = [i for i, length in enumerate(self.lengths) if length >= need]
+        if fits:
+            side = -1 if from_top else 1
+            best = min(fits, key=lambda i: (self.lengths[i], side * self.starts[i]))
+            return self._carve(best, k, n, from_top)
         out: list[int] = []
-        i = len(self.starts) - 1 if from_top else 0
         while len(out) < n:
-            s, length = self.starts[i], self.lengths[i]
-            take = min(length // k, n - len(out))
-            if take:
-                if from_top:
-                    end = s + length
-                    out.extend(end - (j + 1) * k for j in range(take))
-                    self.lengths[i] = length - take * k
-                else:
-                    out.extend(s + j * k for j in range(take))
-                    self.starts[i] = s + take * k
-                    self.lengths[i] = length - take * k
-                if self.lengths[i] == 0:
-                    del self.starts[i], self.lengths[i]
-                    if not from_top:
-                        continue  # the next run moved into position i
-            i += -1 if from_top else 1
+            # Runs too short for one item are skipped; carving never reorders runs.
+            usable = [i for i, length in enumerate(self.lengths) if length >= k]
+            i = usable[-1] if from_top else usable[0]
+            out += self._carve(i, k, min(self.lengths[i] // k, n - len(out)), from_top)
         return sorted(out)
+
+    def _carve(self, i: int, k: int, n: int, from_top: bool) -> list[int]:
+        """``n`` extents from the low (or high) end of run ``i``, increasing."""
+        s, length = self.starts[i], self.lengths[i]
+        if from_top:
+            out = [s + length - (j + 1) * k for j in range(n)][::-1]
+        else:
+            out = [s + j * k for j in range(n)]
+            self.starts[i] = s + n * k
+        self.lengths[i] = length - n * k
+        if self.lengths[i] == 0:
+            del self.starts[i], self.lengths[i]
+        return out
 
     def give(self, start: int, k: int) -> None:
         """Return the extent ``[start, start + k)``, merging with its neighbours."""
