@@ -66,6 +66,7 @@ class TreeNode:
         "queue_entry",
         "_prefix_len",
         "anchor_len",
+        "state_access",
     )
 
     def __init__(
@@ -107,6 +108,9 @@ class TreeNode:
         """The node's entry in each eviction queue (``queues.EvictionQueues``), or None."""
         self._prefix_len: int | None = 0 if is_sentinel else None
         self.anchor_len = 0
+        self.state_access = 0
+        """Logical clock value of the last match that resumed from this node's state (or
+        of the insert that gave it one): how recently the state itself was used."""
         """Snapshot for value-aware policies: ``prefix_len`` of the nearest ancestor that
         could serve instead (``eviction.NodeStats.anchor_len``), refreshed by the queues."""
 

@@ -54,6 +54,9 @@ _TIER = {
 }
 
 
+_STATE = (EvictTarget.MAMBA_DEVICE, EvictTarget.MAMBA_HOST)
+
+
 def candidacy(node: TreeNode) -> tuple[bool, bool, bool, bool]:
     """Whether ``node`` is a candidate for each of ``TARGETS`` (see the module docstring)."""
     if node.is_sentinel or not node.alive:
@@ -167,7 +170,12 @@ class EvictionQueues:
         inflation = 0.0
         if self._aging:
             times, values = self._steps[_TIER[target]]
-            inflation = values[bisect_right(times, node.last_access) - 1]
+            # An inner node's state ages from its last use as a resume point, not from
+            # the matches that only passed through it.
+            t = node.last_access
+            if target in _STATE and node.children:
+                t = node.state_access
+            inflation = values[bisect_right(times, t) - 1]
         return NodeStats(
             node.last_access,
             node.hit_count,

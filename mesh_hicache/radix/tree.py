@@ -96,6 +96,8 @@ class RadixTree(TreeCore):
                 host.extend(node.host_indices)
                 host_len += len(node.data)
         last = usable[-1] if usable else root
+        if touch and usable:
+            last.state_access = self.clock  # the state a request resumes from (eviction.py)
         return MatchResult(
             device_indices=tuple(device),
             host_indices=tuple(host),
@@ -203,6 +205,8 @@ class RadixTree(TreeCore):
             self._queues.update(node)
             node = new
         dev_taken = host_taken = False
+        if not node.is_sentinel and (mamba_device_slot is not None or mamba_host_slot is not None):
+            node.state_access = self.clock  # a new checkpoint counts as used now (eviction.py)
         if not node.is_sentinel:
             if mamba_device_slot is not None and node.mamba_device_slot is None:
                 self._attach(node, Tier.DEVICE, Family.STATE, operator.index(mamba_device_slot))

@@ -84,12 +84,15 @@ def test_value_counts_tokens_back_to_the_nearest_state_and_the_bytes_freed():
     branch = leaf._replace(num_children=2)
     assert policy.value(branch, EvictTarget.MAMBA_DEVICE) == pytest.approx(COST.flops(16, 24) / 40)
     # With one child only requests ending exactly there use it (a chat's older turn):
-    # worth ``lone_state`` of that.
+    # ``lone_state`` can discount it (default: not).
     lone = leaf._replace(num_children=1)
-    assert policy.value(lone, EvictTarget.MAMBA_DEVICE) == pytest.approx(
-        policy.lone_state * COST.flops(16, 24) / 40
+    discounted = CostPolicy(COST, lone_state=0.1)
+    assert discounted.value(lone, EvictTarget.MAMBA_DEVICE) == pytest.approx(
+        0.1 * COST.flops(16, 24) / 40
     )
-    assert 0 < policy.lone_state < 1
+    assert policy.value(lone, EvictTarget.MAMBA_DEVICE) == policy.value(
+        branch, EvictTarget.MAMBA_DEVICE
+    )
     # A leaf below stateless nodes frees their pages too when it goes (run_bytes).
     deep = leaf._replace(anchor_len=4)
     assert policy.value(deep, EvictTarget.DEVICE_KV) == pytest.approx(COST.flops(4, 24) / (20 + 40))
@@ -299,3 +302,22 @@ def test_config_selects_the_policy(one_rank_topology):
         HiCacheConfig(device_pages=8, eviction_policy="fifo")
     with pytest.raises(TypeError, match="cost_model"):
         HiCacheConfig(device_pages=8, cost_model={"flops_per_token": 1})
+
+
+def test_an_inner_state_ages_from_its_last_use_as_a_resume_point():
+    tree = RadixTree(PS, has_mamba=True, policy=CostPolicy(COST))
+    pools = Pools()
+    base = list(range(1, 9))
+    tree.insert(key(base), pools.pages(2), mamba_device_slot=pools.slot())
+    node = tree.node_at(key(base))
+    assert node is not None and node.state_access == tree.clock  # a new checkpoint
+    leaf = base + [40, 41, 42, 43]
+    tree.insert(key(leaf), pools.pages(3), mamba_device_slot=pools.slot())
+    created = node.state_access
+    # Matches through ``base`` to the leaf's state touch the node, not its state...
+    tree.match_prefix(key(leaf + [1]))
+    assert node.last_access == tree.clock and node.state_access == created
+    # ...a match that resumes from it does.
+    tree.match_prefix(key(base + [7, 7, 7, 7]))
+    assert node.state_access == tree.clock
+    tree.check_integrity()
