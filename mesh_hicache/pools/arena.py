@@ -13,9 +13,11 @@ exactly as with separate pools (tree, transfers, host DTensors, storage rows unc
 The id space of a kind is ``num_blocks - blocks_per_item + 1``; only ids of allocated
 items are ever read or written, and allocated extents never overlap.
 
-Placement (deterministic, so equal call sequences give equal ids on every rank): pages
-are taken first-fit from the low end, slots first-fit from the high end, so the two
-kinds grow towards each other and the free space is mostly one gap between them.
+Placement (deterministic, so equal call sequences give equal ids on every rank): a call
+takes the smallest free run that holds all its items (best fit; one request's pages are
+then consecutive and come back as one run), else first fit run by run; pages from the
+low end, slots from the high end, so the two kinds grow towards each other and the free
+space is mostly one gap between them.
 Fragmentation: an item needs ``blocks_per_item`` *consecutive* free blocks. With the
 default block size the smaller kind is one block and can never be blocked; the larger
 kind (usually the state) can fail while enough blocks are free when the free blocks are
