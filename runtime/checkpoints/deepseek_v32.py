@@ -12,6 +12,7 @@ as saved ``experts.{e}.{gate,up,down}_proj``, ``shared_experts`` always on).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,44 @@ _ATTENTION = {
 }
 
 
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn(
+    rope: Mapping[str, Any], dim: int, theta: float, max_positions: int
+) -> tuple[tuple[float, ...], float, float]:
+    """YaRN for a ``dim``-channel RoPE: (inverse frequencies, the cos/sin factor, the
+    softmax-scale mscale). Frequencies of pairs that turn fewer than ``beta_slow`` times
+    over the original context are divided by ``factor``, those turning more than
+    ``beta_fast`` times are kept, with a linear ramp between (float32, as transformers)."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+    ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = (
+            _mscale(factor, ms) / _mscale(factor, ms_all) if ms and ms_all else _mscale(factor)
+        )
+
+    def pair_at(turns: float) -> float:  # the pair index that turns ``turns`` times
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_at(fast), pair_at(slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided)
+    inv_freq = (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
+    mscale = _mscale(factor, ms_all) if ms_all else 1.0
+    return tuple(inv_freq.tolist()), float(attention), mscale
+
+
 class DeepseekV32Adapter:
     architecture = ARCH
 
@@ -51,9 +90,10 @@ class DeepseekV32Adapter:
                 raise unsupported(ARCH, flag)
         if v("hidden_act", "silu") != "silu":
             raise unsupported(ARCH, f"hidden_act={v('hidden_act', '')!r}")
-        rope = v("rope_parameters", {}) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise unsupported(ARCH, f"rope_type={rope.get('rope_type')!r} (YaRN)")
+        rope = dict(v("rope_parameters", None) or v("rope_scaling", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise unsupported(ARCH, f"rope_type={rope_type!r}")
         if not v("q_lora_rank", 1536):
             raise unsupported(ARCH, "q_lora_rank=None (no compressed query)")
         n = v("num_hidden_layers", 61)
@@ -69,6 +109,14 @@ class DeepseekV32Adapter:
         heads = v("num_attention_heads", 128)
         nope, rope_dim = v("qk_nope_head_dim", 128), v("qk_rope_head_dim", 64)
         expert = v("moe_intermediate_size", 2048)
+        theta = float(rope.get("rope_theta", v("rope_theta", 10000.0)))
+        inv_freq: tuple[float, ...] = ()
+        cos_scale, attn_scale = 1.0, (nope + rope_dim) ** -0.5
+        if rope_type == "yarn":
+            inv_freq, cos_scale, mscale = yarn(
+                rope, rope_dim, theta, v("max_position_embeddings", 0)
+            )
+            attn_scale *= mscale**2
         return ModelConfig(
             name=name,
             vocab_size=v("vocab_size", 129280),
@@ -98,7 +146,10 @@ class DeepseekV32Adapter:
             router_topk_groups=v("topk_group", 4) if moe else 1,
             router_normalize=bool(v("norm_topk_prob", True)),
             router_scale=float(v("routed_scaling_factor", 2.5)),
-            rope_theta=float(rope.get("rope_theta", v("rope_theta", 10000.0))),
+            rope_theta=theta,
+            rope_inv_freq=inv_freq,
+            rope_cos_scale=cos_scale,
+            attn_scale=attn_scale,
             tie_embeddings=bool(v("tie_word_embeddings", False)),
             norm_eps=float(v("rms_norm_eps", 1e-6)),
             dtype=dtype,

@@ -145,6 +145,11 @@ class ModelConfig:
     """MLA: indexer key / query width (the per-token indexer key is cached)."""
     index_topk: int = 0
     """MLA: keys each query attends to (the indexer's top-k over all previous tokens)."""
+    rope_inv_freq: tuple[float, ...] = ()
+    """MLA: RoPE inverse frequency of each rotated pair (``qk_rope_head_dim / 2``), for a
+    scaled RoPE a checkpoint derives (YaRN); empty: ``rope_theta ** (-2i / dim)``."""
+    rope_cos_scale: float = 1.0
+    """MLA: multiplies RoPE's cos and sin (YaRN's attention factor)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -212,6 +217,8 @@ class ModelConfig:
             raise ValueError("ModelConfig.ssm_kind='gdn' needs ssm_groups (key heads) > 0")
         if self.attn_kind == "mla":
             self._check_mla()
+        elif self.rope_inv_freq or self.rope_cos_scale != 1.0:
+            raise ValueError("ModelConfig.rope_inv_freq / rope_cos_scale are MLA-only")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"ModelConfig.dtype={self.dtype}; valid: {list(DTYPES.values())}")
 
@@ -237,6 +244,11 @@ class ModelConfig:
             )
         if SSM in self.layer_pattern:
             raise ValueError("ModelConfig: MLA models have no SSM layers (layer_pattern)")
+        if self.rope_inv_freq and len(self.rope_inv_freq) != self.qk_rope_head_dim // 2:
+            raise ValueError(
+                f"ModelConfig.rope_inv_freq has {len(self.rope_inv_freq)} values, want "
+                f"qk_rope_head_dim / 2 = {self.qk_rope_head_dim // 2}"
+            )
 
     # -- derived shapes -----------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from mesh_hicache.layout import tp_split
 from runtime.model.config import ModelConfig
-from runtime.model.layers import rms_norm, rope
+from runtime.model.layers import rms_norm
 from runtime.model.parallel import AxisComm, kv_shard_owner, kv_shard_positions
 from runtime.model.state import SeqState
 from runtime.model.weights import WeightSource
@@ -45,17 +45,32 @@ LORA_NORM_EPS = 1e-6
 residual stream's ``rms_norm_eps``."""
 
 
-def rope_pairs(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+def rope_tables(
+    positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(cos, sin) ``[T, R/2]`` of the angles ``positions * inv_freq``, times ``scale``."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE over interleaved pairs ``(x0, x1), (x2, x3), ...`` of ``x`` ``[T, ..., R]``;
     returns ``[evens rotated | odds rotated]`` (transformers' DeepSeek layout: dot
     products equal the interleaved rotation's)."""
-    r = x.shape[-1]
-    freqs = 1.0 / theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=x.device) / r)
-    angles = positions.to(torch.float32)[:, None] * freqs[None, :]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r // 2,)
-    cos, sin = angles.cos().view(shape).to(x.dtype), angles.sin().view(shape).to(x.dtype)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE of the first ``R`` channels of ``x`` ``[T, ..., Di]`` (the
+    indexer's layout); the other channels pass."""
+    half = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 class MLAttention:
@@ -80,7 +95,10 @@ class MLAttention:
         c = config
         self.layer_id = layer_id
         self.cp_kv, self.page_size = cp_kv, page_size
-        self.theta = c.rope_theta
+        r = c.qk_rope_head_dim
+        default = 1.0 / c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r)
+        self.inv_freq = torch.tensor(c.rope_inv_freq) if c.rope_inv_freq else default
+        self.cos_scale = c.rope_cos_scale
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.q_rank, self.kv_rank = c.q_lora_rank, c.kv_lora_rank
         self.index_heads, self.index_dim, self.topk = c.index_heads, c.index_head_dim, c.index_topk
@@ -109,7 +127,7 @@ class MLAttention:
     def to(self, device: torch.device) -> None:
         for name in (
             "w_in", "q_a_norm", "kv_a_norm", "q_b", "kv_b", "wo", "index_w", "index_norm",
-            "index_norm_bias",
+            "index_norm_bias", "inv_freq",
         ):  # fmt: skip
             setattr(self, name, getattr(self, name).to(device))
 
@@ -119,28 +137,27 @@ class MLAttention:
         """(queries ``[T, H, N+R]``, indexer queries ``[T, Hi, Di]``, indexer head weights
         ``[T, Hi]`` float32, latents ``[T, Lkv+R]``, indexer keys ``[T, Di]``)."""
         t, r = x.shape[0], self.rope_dim
+        cos, sin = rope_tables(positions, self.inv_freq, self.cos_scale, x.dtype)
         q_c, ckv, k_idx = F.linear(x, self.w_in).split(self.sizes, dim=-1)
         q_c = rms_norm(q_c, self.q_a_norm, LORA_NORM_EPS)
         q, q_idx = F.linear(q_c, self.q_b).split(
             [self.num_heads * (self.nope + r), self.index_heads * self.index_dim], dim=-1
         )
         q = q.reshape(t, self.num_heads, self.nope + r)
-        q = torch.cat(
-            [q[..., : self.nope], rope_pairs(q[..., self.nope :], positions, self.theta)], -1
-        )
-        q_idx = rope(q_idx.reshape(t, self.index_heads, self.index_dim), positions, self.theta, r)
+        q = torch.cat([q[..., : self.nope], rope_pairs(q[..., self.nope :], cos, sin)], -1)
+        q_idx = rope_halves(q_idx.reshape(t, self.index_heads, self.index_dim), cos, sin)
         kv_c, k_rot = ckv.split([self.kv_rank, r], dim=-1)
         latent = torch.cat(
             [
                 rms_norm(kv_c, self.kv_a_norm, LORA_NORM_EPS),
-                rope_pairs(k_rot, positions, self.theta),
+                rope_pairs(k_rot, cos, sin),
             ],
             dim=-1,
         )
         k_idx = F.layer_norm(
             k_idx, (self.index_dim,), self.index_norm, self.index_norm_bias, LORA_NORM_EPS
         )
-        k_idx = rope(k_idx[:, None], positions, self.theta, r)[:, 0]
+        k_idx = rope_halves(k_idx, cos, sin)
         w_idx = F.linear(x.float(), self.index_w) * self.index_heads**-0.5
         return q, q_idx, w_idx, latent, k_idx
 

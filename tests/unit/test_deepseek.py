@@ -153,11 +153,11 @@ def test_prefill_after_cached_prefix_equals_whole_prompt(directory: Path, split:
 def test_unsupported_features_are_named(tmp_path: Path) -> None:
     import json
 
-    directory = build(tmp_path, name="yarn")
+    directory = build(tmp_path, name="dynamic")
     config = json.loads((directory / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
         load_checkpoint(directory)
     with pytest.raises(ValueError, match="index_topk"):
         dataclasses.replace(load_checkpoint(build(tmp_path)).config, index_topk=0)
@@ -212,3 +212,39 @@ def test_bfloat16_close_to_transformers(directory: Path, hf) -> None:
     their_err = (theirs - exact).abs().max()
     assert 0 < their_err < 0.5 * exact.abs().max()
     assert (got - exact).abs().max() <= 1.5 * their_err
+
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,  # != mscale: cos/sin scaled by their ratio, softmax scale too
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+
+
+def test_yarn_rope_equals_transformers(tmp_path: Path) -> None:
+    # DeepSeek-V3.2 ships YaRN: scaled inverse frequencies, cos/sin times the attention
+    # factor and the softmax scale times mscale(factor, mscale_all_dim)^2.
+    directory = build(tmp_path, name="yarn", rope_parameters=YARN)
+    c = load_checkpoint(directory).config
+    assert len(c.rope_inv_freq) == 4 and c.rope_cos_scale != 1.0
+    assert c.attn_scale != c.head_dim**-0.5
+    ids = prompt_ids(PROMPT, seed=9)
+    hf = hf_model(directory)
+    model = _model(directory)
+    state = model.new_state()
+    with torch.no_grad():
+        out = hf(ids[None, :-1], use_cache=True)
+        torch.testing.assert_close(
+            model.prefill(ids[:-1], state, all_logits=True), out.logits[0], atol=ATOL, rtol=0
+        )
+        step = hf(ids[None, -1:], cache=out.cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(model.decode(int(ids[-1]), state), step, atol=ATOL, rtol=0)
+    # Not the plain RoPE: the same weights without YaRN give other logits.
+    plain = _model(directory, rope_inv_freq=(), rope_cos_scale=1.0)
+    other = plain.prefill(ids[:-1], plain.new_state(), all_logits=True)
+    assert (other - out.logits[0]).abs().max() > 100 * ATOL
