@@ -91,8 +91,8 @@ class StorageTier:
         self._has_mamba = layout.spec.has_mamba
         self._paged = layout.held_regions(paged=True)
         self._slotted = layout.held_regions(paged=False)
-        for region in layout.held_regions():
-            backend.register_buffer(host.local(region.name))
+        for buffer in host.buffers():  # contiguous: the region tensors, or one arena
+            backend.register_buffer(buffer)
         self._sources = SourceFinder(backend, namespace, layout)
         self._prefetch = PrefetchReader(self._sources, host, stats)
         self._last_sources: list[SourcePlan | None] = []

@@ -18,6 +18,8 @@ from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import RadixKey, RadixTree
 from mesh_hicache.spec import Family
 from mesh_hicache.stats import CacheStats
+from mesh_hicache.storage.file import FileStorage
+from mesh_hicache.storage.keys import tensor_bytes
 from mesh_hicache.testing import internals
 from mesh_hicache.tiers import CacheFull, EvictHooks, TierAllocator
 from runtime import serve as serve_cli
@@ -206,3 +208,21 @@ def test_runtime_serve_runs_on_byte_budgets(tmp_path, single_rank_group):
     run = json.loads(out.read_text())
     assert run["summary"]["hit_rate"] > 0 and run["summary"]["requests_uncached_l1"] == 0
     assert run["config"]["device_bytes"] == 400000
+
+
+def test_l3_registers_the_one_contiguous_arena_buffer(one_rank_topology, tmp_path, monkeypatch):
+    """A zero-copy backend (Mooncake) needs contiguous buffers: with a host arena the
+    storage tier registers the arena's one buffer, never the strided region views."""
+    seen: list[torch.Tensor] = []
+
+    def record(self, buffer: torch.Tensor) -> None:
+        tensor_bytes(buffer)  # what MooncakeStorage.register_buffer checks first
+        seen.append(buffer)
+
+    monkeypatch.setattr(FileStorage, "register_buffer", record)
+    config = _budget_config(storage="file", storage_options={"root": str(tmp_path)})
+    cache = HiCache(one_rank_topology, make_spec(), config)
+    host = internals(cache).host
+    assert [b.data_ptr() for b in seen] == [host.buffers()[0].data_ptr()]
+    assert serve(cache, list(range(3 * PS))).mismatches == 0
+    cache.close()
