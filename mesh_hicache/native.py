@@ -4,9 +4,11 @@
   SHA-256 object, mostly interpreter and OpenSSL context set-up; here one call hashes
   every page with OpenSSL's ``SHA256_*`` (the same bytes, the same v2 digests: tested
   equal to the Python loop).
-- ``copy_rows``: the CPU transfer engine's row copies (``transfer/cpu.py``). In Python each
-  row is one ``ctypes.memmove`` call (about 1 us each, GIL released and taken back);
-  here one call copies a whole list of rows given as arrays of addresses and sizes.
+- ``segment_copier`` / ``row_copier``: the CPU transfer engine's row copies
+  (``transfer/cpu.py``). In Python each row is one ``ctypes.memmove`` call (about 1 us
+  each, GIL released and taken back); here one call copies every row of a layer (or of a
+  whole operation), computing the addresses from the engine's per-segment pointer table
+  and the operation's index arrays (or from arrays of addresses and sizes).
 
 A 40-line C source, compiled on first use and called through ``ctypes`` (which releases
 the GIL for the call). It needs a C compiler (``cc``) and ``libcrypto`` (the OpenSSL
@@ -56,6 +58,27 @@ int mh_chain(const unsigned char *prefix, const unsigned char *parent,
         prev = out + 32 * i;
     }
     return 0;
+}
+
+/* Segments [s0, s1) of a table of rows of 6 int64 (device address, device stride, host
+   address, host stride, row bytes, 1 if indexed by pages else 0): for each, row
+   dev[i] <-> host[i] of the page (pd, ph: np pairs) or slot (sd, sh: ns pairs) indices,
+   device -> host when backup. Indices were checked against the pools by the caller. */
+void mh_copy_segments(const long long *table, size_t s0, size_t s1, const long long *pd,
+                      const long long *ph, size_t np, const long long *sd,
+                      const long long *sh, size_t ns, int backup) {
+    size_t s, i, n;
+    for (s = s0; s < s1; s++) {
+        const long long *t = table + 6 * s;
+        const long long *d = t[5] ? pd : sd, *h = t[5] ? ph : sh;
+        char *dev = (char *)(size_t)t[0], *host = (char *)(size_t)t[2];
+        size_t row = (size_t)t[4];
+        n = t[5] ? np : ns;
+        for (i = 0; i < n; i++) {
+            char *a = dev + d[i] * t[1], *b = host + h[i] * t[3];
+            if (backup) memcpy(b, a, row); else memcpy(a, b, row);
+        }
+    }
 }
 
 /* memcpy(dst[i], src[i], size[i]) for i < n: the rows of one transfer (never overlapping:
@@ -115,6 +138,9 @@ def _build() -> ctypes.CDLL | None:
     dll.mh_chain.argtypes += [ctypes.c_size_t] * 3 + [ctypes.c_char_p]
     dll.mh_copy_rows.restype = None
     dll.mh_copy_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t]
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    dll.mh_copy_segments.restype = None
+    dll.mh_copy_segments.argtypes = [vp, sz, sz, vp, vp, sz, vp, vp, sz, ctypes.c_int]
     return dll
 
 
@@ -160,3 +186,13 @@ def row_copier() -> Callable[[int, int, int, int], None] | None:
     every address range is valid and the two sides never overlap."""
     dll = _dll if _tried else _load()
     return None if dll is None else dll.mh_copy_rows
+
+
+def segment_copier() -> Callable[..., None] | None:
+    """``copy(table, s0, s1, pd, ph, np, sd, sh, ns, backup)``: every row of segments
+    ``[s0, s1)`` of a ``[S, 6]`` int64 table (device address, device stride, host address,
+    host stride, row bytes, paged) for the page pairs ``(pd[i], ph[i])`` / slot pairs
+    ``(sd[i], sh[i])`` (addresses of int64 arrays), in one native call with the GIL
+    released; None when unavailable. Raw memory: the caller checked every index."""
+    dll = _dll if _tried else _load()
+    return None if dll is None else dll.mh_copy_segments

@@ -1,11 +1,14 @@
 """CPU transfer engine: a worker thread (or a waiting caller) doing the copies in order.
 
 Rows (a whole page of one layer part, e.g. 128 KiB for 64 tokens x 8 heads x 128 dims in
-bf16; never a token) are contiguous in both pools. An operation's row addresses come in
-bulk from :class:`~mesh_hicache.transfer.segments.SegmentTable` as int64 arrays, and the
-rows (or merged runs) are copied straight from pool to pool by ONE native call per list
-of rows (``mesh_hicache/native.py``: a C loop of ``memcpy``, GIL released); without the
-native build, by one ``ctypes.memmove`` per row inside ``map`` (no Python loop per row):
+bf16; never a token) are contiguous in both pools. With the native loop
+(``mesh_hicache/native.py``, built on first use) an operation is ONE C call per layer (or
+one for a whole backup or small load), GIL released: it reads each segment's pointers and
+strides from the table built at construction (``SegmentTable.native_table``) and the
+operation's index arrays, and ``memcpy``s every row; nothing per row runs in Python or
+numpy. Without it, row addresses come in bulk from
+:class:`~mesh_hicache.transfer.segments.SegmentTable` (numpy, runs merged) and each row or
+run is one ``ctypes.memmove`` inside ``map`` (or one native call over the address arrays):
 
 - a load goes layer by layer, one call per layer, each layer published as soon as it is
   in place;
@@ -48,8 +51,33 @@ class CpuTransferEngine(TransferEngine):
         if device_pools.device.type != "cpu":
             raise ValueError(f"CpuTransferEngine needs CPU device pools, got {device_pools.device}")
         super().__init__(device_pools, host_pools)
+        #: One native call per layer's rows (mesh_hicache/native.py), or None: the numpy
+        #: address paths below.
+        self._copy_segments = native.segment_copier()
         #: One native call per list of rows (mesh_hicache/native.py), or None: memmove per row.
         self._copy_rows = native.row_copier()
+
+    def _native_steps(self, op: _Op, fn: Callable[..., None]) -> Iterator[None]:
+        """``_steps`` when the native loop is built: no address arrays at all, one call per
+        layer (the loop computes each row's addresses from the segment table), or one call
+        for a whole backup or small load."""
+        table = self.segments
+        ptr = table.native_table.ctypes.data
+        (pd, ph), (sd, sh) = op.pages, op.slots
+        idx = (pd.ctypes.data, ph.ctypes.data, pd.shape[0], sd.ctypes.data, sh.ctypes.data)
+        args = (*idx, sd.shape[0], int(op.backup))
+        bounds, last = table.layer_bounds, len(self.layer_ids) - 1
+        if (op.backup or table.op_bytes(op.pages, op.slots) <= SINGLE_PASS_BYTES) and not op.inject:
+            fn(ptr, 0, bounds[-1], *args)
+            self._layer_ready(op, last)
+            yield
+            return
+        for pos in range(last + 1):
+            if op.inject:
+                self._check_fault(op, pos)
+            fn(ptr, bounds[pos], bounds[pos + 1], *args)
+            self._layer_ready(op, pos)
+            yield
 
     def _copier(self, rows: MemRows) -> Callable[[int, int], None]:
         """``copy(a, b)``: the copies ``[a, b)`` of ``rows``, in as few native calls as the
@@ -78,6 +106,9 @@ class CpuTransferEngine(TransferEngine):
         return python_copy
 
     def _steps(self, op: _Op) -> Iterator[None]:
+        if self._copy_segments is not None:
+            yield from self._native_steps(op, self._copy_segments)
+            return
         table, ready = self.segments, self._layer_ready
         last = len(self.layer_ids) - 1
         whole = op.backup or table.op_bytes(op.pages, op.slots) <= SINGLE_PASS_BYTES

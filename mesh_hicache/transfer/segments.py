@@ -184,6 +184,17 @@ class SegmentTable:
         # First segment of each layer position (segments are layer-major), then the end.
         sizes = [len(ids) for ids in self.by_layer]
         self._layer_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        #: Segments ``[layer_bounds[p], layer_bounds[p + 1])`` belong to layer position ``p``.
+        self.layer_bounds: list[int] = self._layer_start.tolist()
+        #: One row per segment, for the native copy loop (mesh_hicache/native.py): device
+        #: address, device stride, host address, host stride, row bytes, paged (1) or not.
+        self.native_table = np.array(
+            [
+                (s.device_ptr, s.device_stride, s.host_ptr, s.host_stride, s.row_bytes, s.paged)
+                for s in segments
+            ],
+            dtype=np.int64,
+        ).reshape(len(segments), 6)
         self._page_bytes = sum(s.row_bytes for s in segments if s.paged)
         self._slot_bytes = sum(s.row_bytes for s in segments if not s.paged)
         self._blocks = _small_row_blocks(segments)

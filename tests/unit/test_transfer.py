@@ -406,34 +406,51 @@ def one_layer_spec() -> StateSpec:
 
 @pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
 @pytest.mark.parametrize(
-    "small_rows, native_rows",
-    [(True, True), (False, True), (False, False)],
-    ids=["one-pass-numpy", "layer-wise-native", "layer-wise-memmove"],
+    "path",
+    [
+        "native-one-pass",
+        "native-layer-wise",
+        "one-pass-numpy",
+        "layer-wise-native-rows",
+        "layer-wise-memmove",
+    ],
 )
-def test_batched_random_ops_equal_naive_sequential_copies(
-    make_spec, small_rows, native_rows, monkeypatch
-):
-    # These rows and ops are all small: copied in one pass, by numpy blocks, unless both
-    # thresholds are 0, which sends every row through the native row loop (one call per
-    # layer) or, without it, memmove per row, and loads layer by layer.
-    if not small_rows:
+def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monkeypatch):
+    # These rows and ops are all small. With the native segment loop (native-*), one call
+    # per op (one-pass) or per layer; without it, copied in one pass by numpy blocks
+    # (one-pass-numpy), or, with both thresholds 0, every row through the native row loop
+    # (one call per layer) or memmove per row, loads layer by layer.
+    small_rows = path in ("native-one-pass", "one-pass-numpy")
+    if path != "one-pass-numpy" and not small_rows:
         monkeypatch.setattr(segments_module, "SMALL_ROW_BYTES", 0)
         monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", 0)
-    if native_rows and native.row_copier() is None:
-        pytest.skip("native row copy loop needs a C compiler (cc) and libcrypto")
+    if path.startswith("native") or path.endswith("native-rows"):
+        if native.segment_copier() is None:
+            pytest.skip("native copy loops need a C compiler (cc) and libcrypto")
     gen = torch.Generator().manual_seed(7)
     layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
     dev = DevicePools(layout, num_pages=16, num_slots=6)
     host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
     eng = CpuTransferEngine(dev, host)
-    if not native_rows:
+    if not path.startswith("native"):
+        eng._copy_segments = None
+    if path in ("layer-wise-memmove", "one-pass-numpy"):
         eng._copy_rows = None
-    calls: list[int] = []
+    calls: list[int] = []  # rows per native row-loop call
+    seg_calls: list[tuple[int, int]] = []  # (op's first device page, segments) per call
     if eng._copy_rows is not None:
         real = eng._copy_rows
         eng._copy_rows = lambda d, s, z, n: calls.append(n) or real(d, s, z, n)
+    if eng._copy_segments is not None:
+        real_seg = eng._copy_segments
+
+        def count(table, s0, s1, *rest):
+            seg_calls.append((s0, s1))
+            return real_seg(table, s0, s1, *rest)
+
+        eng._copy_segments = count
     # One block per pool buffer: kv (K and V of every layer), indexer, conv, ssm.
-    assert len(eng.segments._blocks) == (4 if small_rows else 0)
+    assert len(eng.segments._blocks) == (4 if small_rows or path == "one-pass-numpy" else 0)
     randomize(dev, gen)
     for t in host_views(host).values():
         raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
@@ -482,12 +499,29 @@ def test_batched_random_ops_equal_naive_sequential_copies(
     assert all(h.wait(timeout=30) for h in handles)
     # The 39 ops queued while op 0 ran went in the same wake-up, all on the worker.
     assert eng.num_batches == 1 and threads == {eng._worker.name}
-    # Small rows all went by numpy blocks; otherwise the native loop copied each layer's
-    # rows in one call (several rows per call), when it was in use.
-    if small_rows:
-        assert calls == []
+    # The native segment loop: one call per op in one pass (all segments), else one per
+    # layer (that layer's segments). The native row loop: several rows per call.
+    num_layers, num_segments = len(eng.layer_ids), len(eng.segments.segments)
+    if path == "native-one-pass":
+        assert seg_calls == [(0, num_segments)] * len(ops) and calls == []
+    elif path == "native-layer-wise":
+        bounds = eng.segments.layer_bounds
+        per_layer = [(bounds[i], bounds[i + 1]) for i in range(num_layers)]
+        one_pass = [(0, num_segments)]  # a backup, or a load of nothing (0 bytes)
+        expected = [
+            c
+            for kind, pages, slots in ops
+            for c in (
+                one_pass
+                if kind is TransferKind.BACKUP or not (len(pages[0]) or len(slots[0]))
+                else per_layer
+            )
+        ]
+        assert seg_calls == expected and calls == []
+    elif path == "layer-wise-native-rows":
+        assert seg_calls == [] and calls and max(calls) > 1
     else:
-        assert bool(calls) == native_rows and (not native_rows or max(calls) > 1)
+        assert seg_calls == [] and calls == []
     eng.close()
     for kind, pages, slots in ops:
         naive_apply(ref_dev, ref_host, kind, pages, slots)
