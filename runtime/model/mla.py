@@ -158,15 +158,17 @@ class MLAttention:
             k_idx, (self.index_dim,), self.index_norm, self.index_norm_bias, LORA_NORM_EPS
         )
         k_idx = rope_halves(k_idx, cos, sin)
-        w_idx = F.linear(x.float(), self.index_w) * self.index_heads**-0.5
+        # relu(s * a) = a * relu(s) for a > 0: the score scale joins the head weights.
+        scale = self.index_heads**-0.5 * self.index_dim**-0.5
+        w_idx = F.linear(x.float(), self.index_w) * scale
         return q, q_idx, w_idx, latent, k_idx
 
     def _select(self, q_idx: Tensor, w_idx: Tensor, k_idx: Tensor, q_pos: Tensor) -> Tensor:
         """Bool ``[T, L]``: the keys each query attends to (its top-k, causal)."""
-        scores = torch.matmul(q_idx.float(), k_idx.float().T) * self.index_dim**-0.5  # [T, Hi, L]
-        index = torch.matmul(w_idx.unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [T, L]
+        scores = torch.matmul(q_idx.float(), k_idx.float().T).relu_()  # [T, Hi, L]
+        index = torch.matmul(w_idx.unsqueeze(-2), scores).squeeze(-2)  # [T, L]
         causal = torch.arange(k_idx.shape[0], device=q_pos.device)[None, :] <= q_pos[:, None]
-        index = index.masked_fill(~causal, float("-inf"))
+        index = index.masked_fill_(~causal, float("-inf"))
         top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
         chosen = torch.zeros_like(causal).scatter_(1, top, True)
         return chosen & causal
@@ -197,8 +199,8 @@ class MLAttention:
         k_nope, values = kv.split([nope, v], dim=-1)
         k_rot = latent[:, None, c:].expand(length, heads, r)
         k = torch.cat([k_nope, k_rot], dim=-1)
-        scores = torch.einsum("the,lhe->htl", q.float(), k.float()) * self.scale
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        scores = torch.einsum("the,lhe->htl", q.float() * self.scale, k.float())
+        scores = scores.masked_fill_(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("htl,lhe->the", probs, values.float())
         return F.linear(out.flatten(1).to(dtype), self.wo)
@@ -214,8 +216,8 @@ class MLAttention:
         lat, k_rot = latent[:, :c].float(), latent[:, c:].float()
         q_lat = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w[:, :nope])
         scores = torch.einsum("thc,lc->htl", q_lat, lat)
-        scores = (scores + torch.einsum("thr,lr->htl", q[..., nope:].float(), k_rot)) * self.scale
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        scores = scores.add_(torch.einsum("thr,lr->htl", q[..., nope:].float(), k_rot))
+        scores = scores.mul_(self.scale).masked_fill_(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("thc,hvc->thv", torch.einsum("htl,lc->thc", probs, lat), w[:, nope:])
         return F.linear(out.flatten(1).to(dtype), self.wo)
