@@ -19,6 +19,7 @@ from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
 from tests.distributed.harness import run_on_mesh
 from tests.distributed.test_host_pool import _codes, _grids, _layer_table, fill_local, make_spec
+from tests.engine_cases import ATOL, resume_scenarios
 from tests.unit.cache_support import PS, serve
 from tests.unit.cache_support import make_spec as cache_spec
 
@@ -124,3 +125,18 @@ def test_a_budgeted_cache_agrees_on_every_rank(shape):
     assert sum(prefix for prefix, *_ in log) > 0  # it hits
     assert all(mismatches == 0 for *_, mismatches in log)
     assert first[4] + first[5] > 0  # and evicts
+
+
+def _resume_body(mesh, root):
+    return resume_scenarios(MeshTopology.from_mesh(mesh), root=root, budget=True)
+
+
+def test_exact_resume_on_a_mesh_with_byte_budgets(tmp_path):
+    out = run_on_mesh((1, 1, 2), _resume_body, str(tmp_path), timeout=300)
+    for rank_checks in out:
+        assert rank_checks == out[0], "ranks disagree on hits or tokens"
+        for c in rank_checks:
+            assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
+            assert c.max_diff < ATOL, f"{c.label}: logits differ by {c.max_diff}"
+            assert c.tokens_equal, c.label
+    assert {c.tier for c in out[0]} == {"device", "host", "storage"}
