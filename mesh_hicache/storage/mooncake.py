@@ -1,13 +1,14 @@
 """The ``mooncake`` backend: L3 objects in a Mooncake distributed store (docs/DESIGN.md section 8).
 
-Objects have the byte format of every backend (``keys.py``): a 64-byte header (key
-digest, payload length, checksum) followed by the payload. They are moved with
-Mooncake's scatter/gather batch calls, ``batch_put_from_multi_buffers`` and
-``batch_get_into_multi_buffers``: each object is two parts, its header in a small
-registered header arena owned by this backend and its payload directly in the caller's
-host-pool row. So the header travels inside the same object as the payload (one key,
-one atomic object, the same bytes a file backend would hold) while the page bytes are
-never copied in this process. Why not a separate header object per key: two objects
+Objects have the byte format of every backend (``objects.py``, format version 2: header,
+chunk table, payload; version 1 objects of older writers are still read). They are moved
+with Mooncake's scatter/gather batch calls, ``batch_put_from_multi_buffers`` and
+``batch_get_into_multi_buffers``: each object is two parts, its header and chunk table in
+a small registered header arena owned by this backend and its payload directly in the
+caller's host-pool row. So the header travels inside the same object as the payload (one
+key, one atomic object, the same bytes a file backend would hold) while the page bytes
+are never copied in this process. ``get_ranges`` reads only the chunks holding the asked
+bytes through get sessions (``mooncake_ranges.py``). Why not a separate header object per key: two objects
 can be evicted or overwritten independently, doubling lookups and leaving payloads
 without their checksum. Why not a header region in front of each pool row: that would
 change the host-pool layout (and its DTensor view) for one backend.
@@ -39,11 +40,13 @@ from typing import Any
 import torch
 
 from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
-from mesh_hicache.storage.keys import (
+from mesh_hicache.storage.keys import StorageKey, check_key_str
+from mesh_hicache.storage.mooncake_ranges import RangedGets, table_region
+from mesh_hicache.storage.objects import (
     HEADER_SIZE,
+    PLAIN_FORMAT_VERSION,
     ObjectError,
-    StorageKey,
-    check_key_str,
+    chunk_bytes_for,
     tensor_bytes,
 )
 
@@ -65,6 +68,10 @@ RPC_FAIL = -900
 
 class MooncakeUnavailable(ConnectionError):
     """The Mooncake master is unreachable; ``GuardedStorage`` degrades on it."""
+
+
+def _chunk_of(t: torch.Tensor) -> int:
+    return chunk_bytes_for(t.shape, t.element_size())
 
 
 def _parse_address(address: str) -> tuple[str, int]:
@@ -96,7 +103,7 @@ class _Arena:
         self.tensor = torch.empty(0, dtype=torch.uint8)
 
 
-class MooncakeStorage(StorageBackend):
+class MooncakeStorage(RangedGets, StorageBackend):
     """L3 objects in a Mooncake store reached through its master (see module docstring).
 
     ``master_address`` is the master's ``host:port``. ``metadata_server`` is
@@ -261,7 +268,9 @@ class MooncakeStorage(StorageBackend):
         self._count(already_present=len(names) - len(todo))
         if not todo:
             return ok
-        headers = self._headers.ensure(self._store, HEADER_SIZE * len(todo))
+        regions = [table_region(src[i], self.codec.keyed) for i in todo]
+        offsets = [sum(regions[:j]) for j in range(len(todo))]
+        headers = self._headers.ensure(self._store, sum(regions))
         staged = [i for i in todo if views[i].nbytes and not self.is_registered(src[i])]
         staging = self._staging.ensure(self._store, sum(views[i].nbytes for i in staged))
         hdr_base = headers.data_ptr()
@@ -270,13 +279,16 @@ class MooncakeStorage(StorageBackend):
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
         for j, i in enumerate(todo):
-            header_bytes[j * HEADER_SIZE : (j + 1) * HEADER_SIZE] = self.codec.encode_header(
-                names[i], views[i]
-            )
+            # Header and chunk table (format version 2) in front of the payload.
+            chunk = regions[j] > HEADER_SIZE
+            head = self.codec.encode_header(names[i], views[i], chunked=chunk)
+            if chunk:
+                head += self.codec.encode_table(names[i], views[i], _chunk_of(src[i]))
+            header_bytes[offsets[j] : offsets[j] + regions[j]] = head
             nbytes = views[i].nbytes
             if nbytes == 0:
-                ptrs.append([hdr_base + j * HEADER_SIZE])
-                sizes.append([HEADER_SIZE])
+                ptrs.append([hdr_base + offsets[j]])
+                sizes.append([regions[j]])
                 continue
             if i in staged:
                 row = staging[stage_offset : stage_offset + nbytes]
@@ -285,8 +297,8 @@ class MooncakeStorage(StorageBackend):
                 stage_offset += nbytes
             else:
                 payload_ptr = src[i].data_ptr()
-            ptrs.append([hdr_base + j * HEADER_SIZE, payload_ptr])
-            sizes.append([HEADER_SIZE, nbytes])
+            ptrs.append([hdr_base + offsets[j], payload_ptr])
+            sizes.append([regions[j], nbytes])
         results = self._call("batch_put_from_multi_buffers", [names[i] for i in todo], ptrs, sizes)
         self._raise_if_disconnected(results)
         for i, code in zip(todo, results, strict=True):
@@ -298,10 +310,19 @@ class MooncakeStorage(StorageBackend):
         return ok
 
     def _get_locked(
-        self, names: list[str], dst: Sequence[torch.Tensor], views: list[memoryview]
+        self,
+        names: list[str],
+        dst: Sequence[torch.Tensor],
+        views: list[memoryview],
+        legacy: bool = False,
     ) -> list[bool]:
+        """Whole reads: header (+ chunk table) into the header arena, payload into ``dst``
+        (or staging). ``legacy``: format version 1 objects (no table), retried as such
+        when an object has exactly the size of one."""
         n = len(names)
-        headers = self._headers.ensure(self._store, HEADER_SIZE * n)
+        regions = [HEADER_SIZE if legacy else table_region(t, self.codec.keyed) for t in dst]
+        offsets = [sum(regions[:i]) for i in range(n)]
+        headers = self._headers.ensure(self._store, sum(regions))
         staged = [i for i in range(n) if views[i].nbytes and not self.is_registered(dst[i])]
         staging = self._staging.ensure(self._store, sum(views[i].nbytes for i in staged))
         hdr_base = headers.data_ptr()
@@ -312,8 +333,8 @@ class MooncakeStorage(StorageBackend):
         for i in range(n):
             nbytes = views[i].nbytes
             if nbytes == 0:
-                ptrs.append([hdr_base + i * HEADER_SIZE])
-                sizes.append([HEADER_SIZE])
+                ptrs.append([hdr_base + offsets[i]])
+                sizes.append([regions[i]])
                 continue
             if i in staged:
                 stage_at[i] = staging[stage_offset : stage_offset + nbytes]
@@ -321,25 +342,29 @@ class MooncakeStorage(StorageBackend):
                 payload_ptr = stage_at[i].data_ptr()
             else:
                 payload_ptr = dst[i].data_ptr()
-            ptrs.append([hdr_base + i * HEADER_SIZE, payload_ptr])
-            sizes.append([HEADER_SIZE, nbytes])
+            ptrs.append([hdr_base + offsets[i], payload_ptr])
+            sizes.append([regions[i], nbytes])
         results = self._call("batch_get_into_multi_buffers", names, ptrs, sizes)
         self._raise_if_disconnected(results)
         header_bytes = tensor_bytes(headers)
         hits = [False] * n
+        retry: list[int] = []
         for i, code in enumerate(results):
-            expected = HEADER_SIZE + views[i].nbytes
+            expected = regions[i] + views[i].nbytes
             if code != expected:
-                self._get_failed(names[i], code, expected)
+                if self._get_failed(names[i], code, expected, HEADER_SIZE + views[i].nbytes):
+                    retry.append(i)
                 continue
             payload = tensor_bytes(stage_at[i]) if i in stage_at else views[i]
-            header = header_bytes[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+            head = header_bytes[offsets[i] : offsets[i] + regions[i]]
             try:
-                decoded = self.codec.decode_header(names[i], header)
+                decoded = self.codec.decode_header(names[i], head[:HEADER_SIZE])
                 if decoded.nbytes != views[i].nbytes:
                     raise ObjectError(
                         "length", f"header says {decoded.nbytes}, dst {views[i].nbytes}"
                     )
+                if decoded.version != PLAIN_FORMAT_VERSION:
+                    self.codec.decode_table(decoded, head[HEADER_SIZE:])
                 self.codec.check_payload(decoded, payload)
             except ObjectError as err:
                 self._record_corrupt(err.kind, names[i], str(err))
@@ -348,19 +373,30 @@ class MooncakeStorage(StorageBackend):
                 dst[i].reshape(-1).view(torch.uint8).copy_(stage_at[i])
             hits[i] = True
             self._count(get_hits=1, get_bytes=views[i].nbytes)
+        if retry and not legacy:
+            again = self._get_locked(
+                [names[i] for i in retry], [dst[i] for i in retry], [views[i] for i in retry], True
+            )
+            for i, ok in zip(retry, again, strict=True):
+                hits[i] = ok
         return hits
 
-    def _get_failed(self, name: str, code: int, expected: int) -> None:
+    def _get_failed(self, name: str, code: int, expected: int, legacy: int) -> bool:
+        """Count a failed read; True when the object has the size ``legacy`` of a format
+        version 1 object instead (to be read again as one)."""
         if code == OBJECT_NOT_FOUND:
             self._count(get_misses=1)
-            return
+            return False
         # A size mismatch fails the transfer (-600 when the object is larger than the
         # destination, -800 when smaller); tell it from a vanished holder by its size.
         size = self._store.get_size(name)
+        if size == legacy and legacy != expected:
+            return True
         if size > 0 and size != expected:
             self._record_corrupt("length", name, f"object of {size} bytes, expected {expected}")
         else:
             self._count(get_misses=1)
+        return False
 
     # -- connection ------------------------------------------------------------------------
 

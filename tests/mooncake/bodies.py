@@ -288,3 +288,42 @@ def construct_against_dead_master(address: str) -> dict[str, Any]:
     out.update(degraded=guard.degraded, errors=guard.stats.errors)
     guard.close()
     return out
+
+
+# -- ranged reads ----------------------------------------------------------------------------
+
+
+def ranged_reads(tag: str) -> dict[str, Any]:
+    """A ranged read of SSM heads 2..3 of a stored state row (format version 2), once into
+    an unregistered buffer (staged) and once into a registered pool row; a format version 1
+    object written with the raw ``put`` read through ``get_ranges`` (read whole)."""
+    st: MooncakeStorage = storage()
+    pools = make_pools(21)
+    st.register_buffer(pools["mamba_ssm"])
+    row = pools["mamba_ssm"][0]  # [2 (layer), 4 (head), 8 (dim), 16 (state)] fp32
+    head = 8 * 16 * row.element_size()
+    ranges = [((layer * 4 + 2) * head, 2 * head) for layer in range(2)]
+    put = st.put_one(key("mamba_ssm", 0, tag), row)
+    before = st.stats
+    staged = torch.zeros_like(row)
+    got = st.get_ranges([key("mamba_ssm", 0, tag)], [staged], [ranges])
+    after = st.stats
+    into_pool = pools["mamba_ssm"][1]
+    into_pool.zero_()
+    got_pool = st.get_ranges([key("mamba_ssm", 0, tag)], [into_pool], [ranges])
+    legacy = key("mamba_ssm", 1, tag)
+    st._store.put(legacy.to_str(), encode_object(legacy.to_str(), bytes(tensor_bytes(row))))
+    old = torch.zeros_like(row)
+    got_old = st.get_ranges([legacy], [old], [ranges])
+    missing = st.get_ranges([key("mamba_ssm", 2, tag)], [torch.zeros_like(row)], [ranges])
+    return {
+        "put": put,
+        "hits": got + got_pool + got_old + missing,
+        "heads_equal": _bits_equal(staged[:, 2:4], row[:, 2:4])
+        and _bits_equal(into_pool[:, 2:4], row[:, 2:4]),
+        "others_untouched": bool((staged[:, :2].view(torch.int32) == 0).all()),
+        "old_equal": _bits_equal(old, row),
+        "bytes_read": after.get_bytes - before.get_bytes,
+        "row_bytes": row.numel() * row.element_size(),
+        "range_gets": after.range_gets - before.range_gets,
+    }

@@ -142,3 +142,12 @@ def test_bad_configuration_is_a_value_error(kwargs: dict[str, object], match: st
 
     with pytest.raises(ValueError, match=match):
         MooncakeStorage(**kwargs)  # type: ignore[arg-type]
+
+
+def test_ranged_reads_fetch_only_the_asked_chunks(worker: NetnsWorker) -> None:
+    out = worker.call(bodies.ranged_reads, "ranged")
+    assert out["put"]
+    assert out["hits"] == [True, True, True, False]  # staged, zero-copy, version 1, absent
+    assert out["heads_equal"] and out["others_untouched"] and out["old_equal"]
+    # SSM heads 2..3 of 4 in each layer (64-byte chunks of one state vector): half the row.
+    assert out["bytes_read"] == out["row_bytes"] // 2 and out["range_gets"] == 1
