@@ -296,7 +296,11 @@ class EvictionQueues:
             if first is None:
                 return None
             node: TreeNode = first[-1]
+            anchor = node.anchor_len
             self._refresh(node)
+            if node.anchor_len != anchor:
+                self.update(node)  # the anchor keys every queue of the node: re-key them all
+                continue
             current = self.entry(node, target)
             if current == first:
                 return first

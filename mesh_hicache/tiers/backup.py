@@ -111,7 +111,13 @@ class BackupQueue:
         return self._write_back if self.policy is WritePolicy.WRITE_BACK else None
 
     def _write_back(self, node: TreeNode) -> None:
-        self._backup([node], wait=True)
+        # The host allocation below may evict host copies: keep it from removing this very
+        # victim (a host-only childless node that still holds a device state).
+        self._tree.protect_host(node)
+        try:
+            self._backup([node], wait=True)
+        finally:
+            self._tree.release_host(node)
 
     # -- queueing ---------------------------------------------------------------------------
 
