@@ -476,7 +476,8 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     log = logging.getLogger("runtime.serve")
     l1_pages = cache.device.max_pages if cache is not None else 0  # an empty L1's pages
     if leader and cache is not None:
-        for warning in fit_warnings(trace, args.max_new_tokens, args.page_size, l1_pages):
+        flag = "--device-bytes" if args.device_bytes else "--device-pages"
+        for warning in fit_warnings(trace, args.max_new_tokens, args.page_size, l1_pages, flag):
             log.warning("runtime.serve: warning: %s", warning)
     done: list[RequestResult] = []
     watch = StorageWatch()

@@ -116,9 +116,15 @@ def too_long_for_l1(total_tokens: int, page_size: int, device_pages: int) -> boo
 
 
 def fit_warnings(
-    trace: Sequence[Turn], max_new_tokens: int, page_size: int, device_pages: int
+    trace: Sequence[Turn],
+    max_new_tokens: int,
+    page_size: int,
+    device_pages: int,
+    budget_flag: str = "--device-pages",
 ) -> list[str]:
-    """Warnings for a cached run: requests longer than L1, prompts shorter than a page."""
+    """Warnings for a cached run: requests longer than L1, prompts shorter than a page.
+    ``budget_flag``: the flag that sized L1 (``--device-pages`` or ``--device-bytes``),
+    named in the fix."""
     lengths = request_lengths(trace, max_new_tokens)
     out = []
     too_long = [t for _, t in lengths if too_long_for_l1(t, page_size, device_pages)]
@@ -127,8 +133,8 @@ def fit_warnings(
         out.append(
             f"L1 holds {device_pages} pages x {page_size} tokens = {device_pages * page_size} "
             f"tokens per request, but {len(too_long)} of {len(lengths)} requests need more "
-            f"(the longest {longest} tokens): they are served uncached; raise --device-pages "
-            f"to at least {pages_needed(longest, page_size)}"
+            f"(the longest {longest} tokens): they are served uncached; raise {budget_flag} "
+            f"until L1 holds at least {pages_needed(longest, page_size)} pages"
         )
     # A prompt is matched one token short and cached in whole pages.
     short = [p for p, _ in lengths if p - 1 < page_size]

@@ -16,6 +16,8 @@ import pytest
 
 from mesh_hicache.storage.file import FileStorage
 from runtime import serve, startup_checks
+from runtime.startup_checks import fit_warnings
+from runtime.workloads import Turn
 
 TINY = ["--model", "tiny", "--sessions", "2", "--turns", "2", "--max-new-tokens", "2"]
 TINY += ["--first-prompt-len", "40", "--append-len", "8", "--threads", "1"]
@@ -25,6 +27,14 @@ def _main(tmp_path: Path, *extra: str) -> tuple[int, dict | None]:
     out = tmp_path / "run.json"
     code = serve.main([*TINY, "--json", str(out), *extra])
     return code, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_fit_warning_names_the_flag_that_sized_l1() -> None:
+    trace = [Turn(request_id=0, session=0, turn=0, user_tokens=tuple(range(40)))]
+    by_pages = fit_warnings(trace, 2, 16, 2)
+    by_bytes = fit_warnings(trace, 2, 16, 2, "--device-bytes")
+    assert "raise --device-pages until L1 holds at least 3 pages" in by_pages[0]
+    assert "raise --device-bytes until L1 holds at least 3 pages" in by_bytes[0]
 
 
 def _warnings(caplog) -> list[str]:
@@ -38,7 +48,8 @@ def test_l1_too_small_warns_once_and_counts_uncached(tmp_path, caplog, single_ra
     warned = [w for w in _warnings(caplog) if "L1 holds 2 pages" in w]
     assert len(warned) == 1, _warnings(caplog)
     # 40 + 2 tokens need 3 pages of 16; the second turns need more.
-    assert "raise --device-pages to at least" in warned[0] and "4 of 4 requests" in warned[0]
+    assert "raise --device-pages until L1 holds at least" in warned[0]
+    assert "4 of 4 requests" in warned[0]
     assert run["summary"]["requests_uncached_l1"] == 4
     assert run["summary"]["hit_rate"] == 0.0
     assert run["summary"]["l3"] == "off"
