@@ -15,8 +15,8 @@ the GIL for the call). It needs a C compiler (``cc``) and ``libcrypto`` (the Ope
 library Python's hashlib uses already; no headers: the few declarations are below). When
 either is missing, or anything else fails, ``available()`` is False for good and callers
 use their Python loops: the results are identical, only slower. The shared object is built
-once per user and source version in ``$XDG_CACHE_HOME/mesh_hicache`` (or
-``~/.cache/mesh_hicache``; a private temporary folder when that is not a directory of this
+once per user and source version in ``$XDG_CACHE_HOME/mesh_hicache/native`` (or
+``~/.cache/mesh_hicache/native``; a private temporary folder when that is not a directory of this
 user's that only they can write), under a name derived from the source, and written
 atomically (concurrent ranks may build it at the same time).
 """
@@ -97,7 +97,7 @@ _tried = False
 
 def _cache_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(root, "mesh_hicache")
+    path = os.path.join(root, "mesh_hicache", "native")
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         st = os.stat(path)

@@ -182,3 +182,17 @@ def test_both_hash_loops_give_the_documented_chain(
                 want = _python_chain(data, ps, ns, parent, start)
                 got = hashing.packed_page_hashes(data, ps, ns, parent, start)
                 assert got == want, (ps, pages, ns, start)
+
+
+def test_native_build_folder_is_private(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from mesh_hicache import native as native_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native_mod._cache_dir() == str(tmp_path / "mesh_hicache" / "native")
+    assert os.stat(tmp_path / "mesh_hicache" / "native").st_mode & 0o077 == 0
+    os.chmod(tmp_path / "mesh_hicache" / "native", 0o777)  # others could plant a library
+    other = native_mod._cache_dir()
+    assert other != str(tmp_path / "mesh_hicache" / "native") and os.path.isdir(other)
+    os.rmdir(other)
