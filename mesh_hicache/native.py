@@ -36,8 +36,9 @@ from collections.abc import Callable
 _SOURCE = r"""
 #include <stddef.h>
 #include <string.h>
-/* OpenSSL's public SHA256_CTX (openssl/sha.h), unchanged since 0.9.8. */
-typedef struct { unsigned int h[8], Nl, Nh, data[16], num, md_len; } SHA256_CTX;
+/* Room for OpenSSL's SHA256_CTX (openssl/sha.h: 112 bytes since 0.9.8), with margin: only
+   libcrypto reads its fields, so no header is needed. */
+typedef struct { unsigned long long opaque[32]; } SHA256_CTX;
 int SHA256_Init(SHA256_CTX *c);
 int SHA256_Update(SHA256_CTX *c, const void *data, size_t len);
 int SHA256_Final(unsigned char *md, SHA256_CTX *c);

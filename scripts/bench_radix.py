@@ -301,7 +301,7 @@ _SGLANG_HASH_C = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
-typedef struct { unsigned int h[8], Nl, Nh, data[16], num, md_len; } SHA256_CTX;
+typedef struct { unsigned long long opaque[32]; } SHA256_CTX; /* room for OpenSSL's */
 int SHA256_Init(SHA256_CTX *c);
 int SHA256_Update(SHA256_CTX *c, const void *data, size_t len);
 int SHA256_Final(unsigned char *md, SHA256_CTX *c);
