@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from collections.abc import Callable
@@ -91,9 +93,54 @@ void mh_copy_rows(const long long *dst, const long long *src, const long long *s
 }
 """
 
+# A CPython extension (needs Python.h): a request's token list packed in one C loop.
+_PACK_SOURCE = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+/* pack(seq) -> bytes | None: the little-endian int64 bytes of a list/tuple of exact ints in
+   [0, 2**63); None for anything else (bools, subclasses, negatives, big ints, other
+   types): the caller's Python path then validates and names the bad value. */
+static PyObject *pack(PyObject *self, PyObject *seq) {
+    Py_ssize_t n, i;
+    PyObject **items, *out;
+    long long *dst;
+    if (PyList_CheckExact(seq)) {
+        n = PyList_GET_SIZE(seq);
+        items = ((PyListObject *)seq)->ob_item;
+    } else if (PyTuple_CheckExact(seq)) {
+        n = PyTuple_GET_SIZE(seq);
+        items = ((PyTupleObject *)seq)->ob_item;
+    } else {
+        Py_RETURN_NONE;
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out == NULL) return NULL;
+    dst = (long long *)PyBytes_AS_STRING(out);
+    for (i = 0; i < n; i++) {
+        int overflow = 0;
+        long long v;
+        if (!PyLong_CheckExact(items[i])) goto bail;
+        v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow || v < 0) goto bail;
+        dst[i] = v;
+    }
+    return out;
+bail:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+static PyMethodDef methods[] = {{"pack", pack, METH_O, NULL}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mh_pack", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_mh_pack(void) { return PyModule_Create(&module); }
+"""
+
+
 _lock = threading.Lock()
 _dll: ctypes.CDLL | None = None
 _tried = False
+_pack: Callable[[object], bytes | None] | None = None
+_pack_tried = False
 
 
 def _cache_dir() -> str:
@@ -197,3 +244,54 @@ def segment_copier() -> Callable[..., None] | None:
     released; None when unavailable. Raw memory: the caller checked every index."""
     dll = _dll if _tried else _load()
     return None if dll is None else dll.mh_copy_segments
+
+
+def _build_pack() -> Callable[[object], bytes | None] | None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    include = sysconfig.get_paths().get("include")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    if cc is None or sys.byteorder != "little" or not sys.platform.startswith("linux"):
+        return None
+    if not include or not suffix or not os.path.exists(os.path.join(include, "Python.h")):
+        return None
+    tag = hashlib.sha256((_PACK_SOURCE + suffix + os.uname().machine).encode()).hexdigest()
+    folder = _cache_dir()
+    lib = os.path.join(folder, f"mh_pack_{tag[:16]}{suffix}")
+    if not os.path.exists(lib):
+        src = os.path.join(folder, f"mh_pack_{tag[:16]}.{os.getpid()}.c")
+        tmp = lib + f".{os.getpid()}.tmp"
+        with open(src, "w") as f:
+            f.write(_PACK_SOURCE)
+        try:
+            cmd = [cc, "-O2", "-shared", "-fPIC", "-I", include, "-o", tmp, src]
+            if subprocess.run(cmd, capture_output=True, timeout=60).returncode:
+                return None
+            os.replace(tmp, lib)
+        finally:
+            for leftover in (src, tmp):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
+    spec = importlib.util.spec_from_file_location("mh_pack", lib)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn: Callable[[object], bytes | None] = module.pack
+    return fn
+
+
+def packer() -> Callable[[object], bytes | None] | None:
+    """``pack(tokens)``: the little-endian int64 bytes of a list or tuple of exact ints in
+    ``[0, 2**63)`` in one C loop, or None for anything else (the caller's Python path then
+    validates and names the bad value); None when the extension cannot be built (it also
+    needs Python's headers)."""
+    global _pack, _pack_tried
+    if not _pack_tried:
+        with _lock:
+            if not _pack_tried:
+                try:
+                    _pack = _build_pack()
+                except Exception:  # any failure: the Python path serves
+                    _pack = None
+                _pack_tried = True
+    return _pack

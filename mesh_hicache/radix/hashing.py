@@ -24,7 +24,7 @@ import operator
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -81,7 +81,13 @@ def pack_tokens(tokens: Iterable[int]) -> bytes:
     outside ``[0, 2**63)``; both name the value and its position.
     """
     kind = type(tokens)
-    if kind is not list and kind is not tuple:
+    if kind is list or kind is tuple:
+        pack = _packer if _packer_loaded else _load_packer()
+        if pack is not None:
+            packed_fast = pack(tokens)  # one C loop; None: something to name, below
+            if packed_fast is not None:
+                return packed_fast
+    else:
         if isinstance(tokens, str | bytes | bytearray | memoryview):
             raise TypeError(f"tokens must be a sequence of ints, got {kind.__name__}")
         if isinstance(tokens, np.ndarray) and tokens.dtype.kind in "iu" and tokens.ndim == 1:
@@ -180,6 +186,23 @@ def _native() -> ModuleType | None:
             native = None  # type: ignore[assignment]
         _native_module = native if native is not None and native.available() else None
     return _native_module  # type: ignore[return-value]
+
+
+_packer: Callable[[object], bytes | None] | None = None
+_packer_loaded = False
+
+
+def _load_packer() -> Callable[[object], bytes | None] | None:
+    """mesh_hicache/native.py's list packer (a C loop over exact ints), or None."""
+    global _packer, _packer_loaded
+    try:
+        from mesh_hicache import native
+    except ImportError:
+        _packer = None
+    else:
+        _packer = native.packer()
+    _packer_loaded = True
+    return _packer
 
 
 def _check_page_size(page_size: object) -> None:

@@ -196,3 +196,31 @@ def test_native_build_folder_is_private(tmp_path, monkeypatch: pytest.MonkeyPatc
     other = native_mod._cache_dir()
     assert other != str(tmp_path / "mesh_hicache" / "native") and os.path.isdir(other)
     os.rmdir(other)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-packer", "python-packer"])
+def test_list_packing_paths_agree(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from mesh_hicache import native as native_mod
+
+    pack = native_mod.packer()
+    if native and pack is None:
+        pytest.skip("native list packer needs a C compiler (cc) and Python's headers")
+    if not native:
+        monkeypatch.setattr(hashing, "_packer", None)
+        monkeypatch.setattr(hashing, "_packer_loaded", True)
+    rng = __import__("random").Random(9)
+    for n in (0, 1, 7, 300):
+        tokens = [rng.choice([0, 1, 2**63 - 1, rng.randrange(2**63)]) for _ in range(n)]
+        want = struct.pack(f"<{n}q", *tokens)
+        assert hashing.pack_tokens(tokens) == want == hashing.pack_tokens(tuple(tokens))
+    if native:  # anything unusual is left to the Python path, which names it
+        for bad in ([1, True], [3, -1], [2**63], [1.0], [np.int64(3)], [2, "x"]):
+            assert pack(bad) is None, bad
+        assert pack(range(3)) is None and pack([5, 6]) == struct.pack("<2q", 5, 6)
+    with pytest.raises(TypeError, match="True at position 1"):
+        hashing.pack_tokens([4, True])
+    with pytest.raises(ValueError, match="-2 at position 2"):
+        hashing.pack_tokens((4, 5, -2))
+    assert hashing.pack_tokens([np.int64(3), 4]) == struct.pack("<2q", 3, 4)
