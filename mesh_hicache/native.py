@@ -1,4 +1,8 @@
-"""Optional native loops for the two hot loops Python pays per item (docs/DESIGN.md 5, 6).
+"""Optional native loops for the hot loops Python pays per item (docs/DESIGN.md 5, 6).
+
+- ``packer``: a request's token list packed as int64 bytes (``radix/hashing.py``): one C
+  loop over the list's exact ints (a CPython extension, so it also needs Python's
+  headers); anything it cannot check it leaves to the Python path.
 
 - ``chain``: chained page hashes (``radix/hashing.py``). In Python each page costs one
   SHA-256 object, mostly interpreter and OpenSSL context set-up; here one call hashes
