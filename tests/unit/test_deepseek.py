@@ -248,3 +248,17 @@ def test_yarn_rope_equals_transformers(tmp_path: Path) -> None:
     plain = _model(directory, rope_inv_freq=(), rope_cos_scale=1.0)
     other = plain.prefill(ids[:-1], plain.new_state(), all_logits=True)
     assert (other - out.logits[0]).abs().max() > 100 * ATOL
+
+
+def test_mla_config_is_validated(directory: Path) -> None:
+    from runtime.model import ModelConfig
+
+    c = load_checkpoint(directory).config
+    with pytest.raises(ValueError, match="head_dim=18 must be qk_nope_head_dim"):
+        dataclasses.replace(c, head_dim=18)
+    with pytest.raises(ValueError, match="rope_inv_freq has 3 values"):
+        dataclasses.replace(c, rope_inv_freq=(1.0, 0.5, 0.25))
+    with pytest.raises(ValueError, match="q_lora_rank must be a positive int"):
+        ModelConfig(attn_kind="mla", layer_pattern="AA", head_dim=8)
+    with pytest.raises(ValueError, match="MLA-only"):
+        ModelConfig(rope_cos_scale=2.0)
