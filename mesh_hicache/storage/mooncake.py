@@ -8,10 +8,10 @@ a small registered header arena owned by this backend and its payload directly i
 caller's host-pool row. So the header travels inside the same object as the payload (one
 key, one atomic object, the same bytes a file backend would hold) while the page bytes
 are never copied in this process. ``get_ranges`` reads only the chunks holding the asked
-bytes through get sessions (``mooncake_ranges.py``). Why not a separate header object per key: two objects
-can be evicted or overwritten independently, doubling lookups and leaving payloads
-without their checksum. Why not a header region in front of each pool row: that would
-change the host-pool layout (and its DTensor view) for one backend.
+bytes through get sessions (``mooncake_ranges.py``). Why not a separate header object per
+key: two objects can be evicted or overwritten independently, doubling lookups and
+leaving payloads without their checksum. Why not a header region in front of each pool
+row: that would change the host-pool layout (and its DTensor view) for one backend.
 
 Rows inside a buffer passed to ``register_buffer`` take the zero-copy path; any other
 tensor is staged through a registered scratch buffer of this backend (one copy).
