@@ -323,3 +323,22 @@ def test_an_inner_state_ages_from_its_last_use_as_a_resume_point():
     tree.match_prefix(key(base + [7, 7, 7, 7]))
     assert node.state_access == tree.clock
     tree.check_integrity()
+
+
+def test_exact_resume_from_every_tier_under_the_cost_policy(
+    one_rank_topology, tmp_path, monkeypatch
+):
+    # The engine's resume scenarios (tests/engine_cases.py) with eviction_policy="cost".
+    import functools
+
+    import tests.engine_cases as cases
+
+    monkeypatch.setattr(
+        cases, "HiCacheConfig", functools.partial(HiCacheConfig, eviction_policy="cost")
+    )
+    assert cases.HiCacheConfig(device_pages=1).eviction_policy == "cost"
+    checks = cases.resume_scenarios(one_rank_topology, root=str(tmp_path))
+    for c in checks:
+        assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
+        assert c.max_diff < cases.ATOL and c.tokens_equal, c.label
+    assert {c.tier for c in checks} == {"device", "host", "storage"}
