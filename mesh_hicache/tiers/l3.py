@@ -78,7 +78,6 @@ class StorageTier:
         stats: CacheStats,
         rules: PrefetchRules,
     ) -> None:
-        self.backend = backend
         self.namespace = namespace
         self._layout = layout
         self._host = host
@@ -100,6 +99,15 @@ class StorageTier:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-read")
         self._write_error_kinds: set[str] = set()  # logged once each (l3-write thread only)
         self._closed = False
+
+    @property
+    def backend(self) -> StorageBackend:
+        """The storage backend (writes, existence and reads all go through it)."""
+        return self._sources.backend
+
+    @backend.setter
+    def backend(self, backend: StorageBackend) -> None:
+        self._sources.backend = backend
 
     def key(self, region: RegionLayout, page_hash: bytes) -> StorageKey:
         """The key of ``region``'s object for ``page_hash`` (this rank's global slice)."""

@@ -24,6 +24,7 @@ from mesh_hicache.layout import RegionLayout
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import RadixKey
 from mesh_hicache.stats import CacheStats
+from mesh_hicache.storage.base import StorageBackend
 from mesh_hicache.storage.keys import StorageKey
 from mesh_hicache.tiers.l3_sources import SourceFinder
 from mesh_hicache.tiers.reshard import SourcePlan, assemble
@@ -59,12 +60,15 @@ class PrefetchReader:
 
     def __init__(self, finder: SourceFinder, host: HostPools, stats: CacheStats) -> None:
         self._finder = finder
-        self._backend = finder.backend
         self._host = host
         self._stats = stats
         layout_regions = host.layout.held_regions()
         self._paged = tuple(r for r in layout_regions if r.paged)
         self._slotted = tuple(r for r in layout_regions if not r.paged)
+
+    @property
+    def _backend(self) -> StorageBackend:
+        return self._finder.backend  # one backend for the tier: swapping it swaps reads too
 
     def run(self, job: Prefetch) -> None:
         """Read the job's pages batch by batch, then its state; sets ``job.finished``."""
