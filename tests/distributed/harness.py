@@ -8,8 +8,10 @@ process hosts on 127.0.0.1 with a kernel-chosen port, builds the DeviceMesh with
 bodies' return values in rank order.
 
 Failure is loud and bounded: a rank that raises fails the call with its traceback and
-mesh coordinates; a rank that dies or hangs fails it after ``timeout`` seconds; every
-rank process is killed before the call returns. ``body`` must be a module-level
+mesh coordinates; a rank that dies fails it at once; a rank that hangs fails it
+``timeout`` seconds after every rank was up (process group and mesh built; starting has
+its own bound, ``start_timeout``, so a loaded machine's slow start is not read as a
+hang); every rank process is killed before the call returns. ``body`` must be a module-level
 function (it is pickled by name).
 """
 
@@ -30,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_NAMES = {1: ("tp",), 2: ("cp", "tp"), 3: ("pp", "cp", "tp")}
+_UP = b"up"
+"""A rank's first message once its process group and mesh exist (then its report)."""
 _CTX: Any = None
 
 
@@ -63,6 +67,7 @@ def _rank_main(
     backend: str,
     port: int,
     timeout: float,
+    start_timeout: float,
     body: Callable[..., Any],
     args: tuple[Any, ...],
     conn: Connection,
@@ -74,7 +79,11 @@ def _rank_main(
     coords: Any = None
     try:
         store = dist.TCPStore(
-            "127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout)
+            "127.0.0.1",
+            port,
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=max(timeout, start_timeout)),
         )
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
@@ -84,6 +93,7 @@ def _rank_main(
             torch.cuda.set_device(rank)
         mesh = dist.init_device_mesh(device_type, shape, mesh_dim_names=names)
         coords = dict(zip(names, mesh.get_coordinate() or (), strict=False))
+        conn.send_bytes(_UP)
         report = _encode(("ok", rank, coords, body(mesh, *args)))
     except BaseException:
         _report(conn, _encode(("error", rank, coords, traceback.format_exc())), timeout)
@@ -134,8 +144,12 @@ def run_on_mesh(
     names: Sequence[str] | None = None,
     backend: str = "gloo",
     timeout: float = 60.0,
+    start_timeout: float = 300.0,
 ) -> list[Any]:
     """Run ``body(mesh, *args)`` on every rank of a mesh of ``shape``; return results by rank.
+
+    ``timeout``: seconds from the moment every rank is up until every report is in (also
+    each collective's bound); ``start_timeout``: seconds for every rank to come up.
 
     ``names`` defaults to the innermost axes (``tp``; ``cp, tp``; ``pp, cp, tp``).
     ``backend="nccl"`` needs one CUDA device per rank and skips the test otherwise.
@@ -162,7 +176,18 @@ def run_on_mesh(
         reader, writer = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=_rank_main,
-            args=(rank, shape, names, backend, store.port, timeout, body, args, writer),
+            args=(
+                rank,
+                shape,
+                names,
+                backend,
+                store.port,
+                timeout,
+                start_timeout,
+                body,
+                args,
+                writer,
+            ),
             daemon=True,
         )
         proc.start()
@@ -172,18 +197,25 @@ def run_on_mesh(
 
     results: dict[int, Any] = {}
     failures: list[str] = []
-    deadline = time.monotonic() + timeout
+    up: set[int] = set()
+    start_deadline = time.monotonic() + start_timeout
+    deadline: float | None = None  # set once every rank is up
     pending = dict(enumerate(conns))
 
     def receive(wait_s: float) -> None:
         """Take every report that arrives within ``wait_s`` into results / failures."""
         for conn in wait(list(pending.values()), timeout=wait_s):
             rank = next(r for r, c in pending.items() if c is conn)
-            del pending[rank]
             try:
-                status, _, coords, payload = pickle.loads(conn.recv_bytes())
+                message = conn.recv_bytes()
+                if message == _UP:
+                    up.add(rank)
+                    continue
+                del pending[rank]
+                status, _, coords, payload = pickle.loads(message)
                 conn.send_bytes(b"ack")  # the rank may exit now
             except (EOFError, OSError):
+                pending.pop(rank, None)
                 procs[rank].join(timeout=0.5)
                 exitcode = procs[rank].exitcode
                 failures.append(f"rank {rank} died (exit code {exitcode}) without a result")
@@ -195,13 +227,19 @@ def run_on_mesh(
 
     try:
         while pending and not failures:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if deadline is None and len(up) == world:
+                deadline = now + timeout
+            if deadline is None and now >= start_deadline:
+                late = sorted(set(range(world)) - up)
+                failures.append(f"ranks {late} did not start within {start_timeout:g}s")
+                break
+            if deadline is not None and now >= deadline:
                 failures.append(
                     f"timeout after {timeout:.0f}s; ranks {sorted(pending)} did not finish"
                 )
                 break
-            receive(min(remaining, 1.0))
+            receive(min((deadline or start_deadline) - now, 1.0))
         # Collect what ranks failing at about the same time report: the first error seen
         # is often a peer's "connection reset", the cause another rank's death.
         grace = time.monotonic() + 1.0

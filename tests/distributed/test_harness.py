@@ -54,6 +54,12 @@ def test_hanging_rank_fails_by_timeout():
     assert time.monotonic() - t0 < 15
 
 
+def test_slow_start_has_its_own_bound():
+    # No rank can be up within a millisecond: the start bound fails the call by name.
+    with pytest.raises(RankFailure, match=r"ranks \[0, 1\] did not start within 0.001s"):
+        run_on_mesh((2,), _rank_and_coord, start_timeout=0.001)
+
+
 def test_dead_rank_fails():
     with pytest.raises(RankFailure, match=r"rank 1 died \(exit code 7\)"):
         run_on_mesh((2,), _die_on_rank_one, timeout=20)
