@@ -224,37 +224,34 @@ class TierAllocator:
 
     def _device_evictor(self, pages: bool) -> Callable[[int], None]:
         """What makes room for ``n`` device pages (or slots); called with ``n``."""
-        dev = self._device
-        ids = dev.page_allocator if pages else dev.slot_allocator
-        if dev.arena is None:
-            own = self._evict_device_pages if pages else self._evict_device_slots
-
-            def shortfall(n: int) -> None:
-                own(n - ids.num_free)  # a fixed pool: evict its own kind only
-
-            return shortfall
         queues = (
             (EvictTarget.DEVICE_KV, self._evict_device_pages),
             (EvictTarget.MAMBA_DEVICE, self._evict_device_slots),
         )
-        return lambda n: self._evict_shared(ids, n, queues)
+        return self._evictor(self._device, pages, queues)
 
     def _host_evictor(self, pages: bool) -> Callable[[int], None]:
         """What makes room for ``n`` host pages (or slots); called with ``n``."""
-        host = self._host
-        assert host is not None
-        ids = host.page_allocator if pages else host.slot_allocator
-        if host.arena is None:
-            own = self._evict_host_pages if pages else self._evict_host_slots
-
-            def shortfall(n: int) -> None:
-                own(n - ids.num_free)  # a fixed pool: evict its own kind only
-
-            return shortfall
+        assert self._host is not None
         queues = (
             (EvictTarget.HOST_KV, self._evict_host_pages),
             (EvictTarget.MAMBA_HOST, self._evict_host_slots),
         )
+        return self._evictor(self._host, pages, queues)
+
+    def _evictor(
+        self, pools: DevicePools | HostPools, pages: bool, queues: tuple[Queue, Queue]
+    ) -> Callable[[int], None]:
+        """A fixed pool evicts its own kind only (``queues[0]`` for pages, ``[1]`` for
+        slots); an arena evicts either kind (``_evict_shared``)."""
+        ids = pools.page_allocator if pages else pools.slot_allocator
+        if pools.arena is None:
+            own = queues[0 if pages else 1][1]
+
+            def shortfall(n: int) -> None:
+                own(n - ids.num_free)
+
+            return shortfall
         return lambda n: self._evict_shared(ids, n, queues)
 
     def _evict_shared(self, ids: Allocator, n: int, queues: tuple[Queue, ...]) -> None:
