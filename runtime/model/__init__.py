@@ -7,6 +7,8 @@ Public API::
     state = model.new_state()                     # or built from cached pages
     logits = model.prefill(tokens, state)         # float32 [vocab], same on every rank
     logits = model.decode(token, state)
+    logits = model.decode_batch([t1, t2], [state1, state2])  # [B, vocab]
+    state = model.paged_state(pools, pages, num_tokens, slot=slot)  # attention on L1 pages
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from runtime.model.parallel import (
     kv_shard_positions,
     stage_layer_range,
 )
-from runtime.model.state import SeqState
+from runtime.model.state import PageTable, SeqState
 
 __all__ = [
     "PRESETS",
     "HybridModel",
     "ModelConfig",
+    "PageTable",
     "SeqState",
     "cp_chunk_bounds",
     "kv_shard_owner",

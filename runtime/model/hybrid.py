@@ -10,12 +10,14 @@ contiguous :class:`SeqState` and keeps what the model appends to it.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from mesh_hicache.layout import StateLayout, tp_split
+from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.topology import MeshTopology
 from runtime.model.config import ATTENTION, MLP, SSM, ModelConfig
@@ -208,6 +210,15 @@ class HybridModel:
                 )
         return state
 
+    def paged_state(
+        self, pools: DevicePools, pages: list[int], num_tokens: int = 0, *, slot: int | None = None
+    ) -> SeqState:
+        """A paged state (``SeqState.pages``) whose first ``num_tokens`` tokens are already in
+        ``pages`` of ``pools``; ``slot``: the device Mamba slot holding the recurrent state
+        after exactly ``num_tokens`` tokens (copied in; required iff the model has recurrent
+        layers and ``num_tokens > 0``, ``ValueError`` otherwise)."""
+        raise NotImplementedError("paged attention is not in yet (issue 14, helper M)")
+
     # -- forward ------------------------------------------------------------------------------
 
     def prefill(self, tokens: Tensor, state: SeqState, *, all_logits: bool = False) -> Tensor:
@@ -258,6 +269,20 @@ class HybridModel:
             self._send_next(h)
         state.num_tokens += 1
         return self.comms.pp.broadcast(logits, src=self.comms.pp.size - 1)
+
+    def decode_batch(self, tokens: Sequence[int], states: Sequence[SeqState]) -> Tensor:
+        """One token per state (``tokens[i]`` at position ``states[i].num_tokens``).
+
+        Collective: every rank passes the same B >= 1 states in the same order (paged and
+        contiguous may mix). Advances each ``num_tokens`` by 1. Returns float32 logits
+        ``[B, vocab]``, identical on every rank; ``decode(t, s)`` equals
+        ``decode_batch([t], [s])[0]``. ``ValueError`` for B == 0 or a length mismatch.
+        """
+        if len(tokens) != len(states):
+            raise ValueError(f"{len(tokens)} tokens for {len(states)} states")
+        if not tokens:
+            raise ValueError("decode_batch needs at least one (token, state)")
+        return torch.stack([self.decode(t, s) for t, s in zip(tokens, states, strict=True)])
 
     # -- helpers ------------------------------------------------------------------------------
 
