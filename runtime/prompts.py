@@ -12,8 +12,11 @@ this line's tokens), ``"max_new_tokens"`` (default: ``--max-new-tokens``) and
 ``"tenant"`` (a string: the request's cache tenant, default ``--tenant``; tenants share
 no cache entry in any tier) and ``"stop_at_eos"`` (a boolean, default false: end the
 answer at the checkpoint's ``eos_token_id``, included in the output, instead of always
-generating ``max_new_tokens``). Blank lines are skipped. Requests are served in file
-order.
+generating ``max_new_tokens``), ``"arrival_s"`` (a number >= 0: trace seconds at which a
+session's first turn arrives; on a later turn "not before") and ``"think_s"`` (a number
+>= 0: a later turn arrives this long after its session's previous answer). Times are
+honoured by ``runtime.serve``'s scheduler path (real-time replay). Blank lines are
+skipped. Requests are served in file order.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh_hicache.config import TENANT_SEPARATOR
-from runtime.workloads import Turn
+from runtime.workloads import Turn, check_seconds
 
 
 def load_tokenizer(path: Path | None) -> Any:
@@ -60,7 +63,7 @@ def load_prompts(
         if not isinstance(item, dict):
             raise ValueError(f"{where}: expected an object, got {type(item).__name__}")
         unknown = set(item) - {"input_ids", "text", "session", "max_new_tokens", "tenant"}
-        unknown -= {"stop_at_eos"}
+        unknown -= {"stop_at_eos", "arrival_s", "think_s"}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
         ids = _token_ids(item, where, vocab_size, tokenizer)
@@ -83,8 +86,20 @@ def load_prompts(
             raise ValueError(f"{where}: stop_at_eos must be a boolean, got {stop_at_eos!r}")
         if stop_at_eos and eos_token_id is None:
             raise ValueError(f"{where}: stop_at_eos, but the model names no eos_token_id")
+        times: dict[str, float] = {}
+        for key in ("arrival_s", "think_s"):
+            if key in item:
+                try:
+                    times[key] = check_seconds(key, item[key])
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{where}: {err}") from None
         turn = next_turn.get(session, 0)
         next_turn[session] = turn + 1
+        if turn == 0 and times.get("think_s"):
+            raise ValueError(
+                f"{where}: think_s={times['think_s']!r} on a session's first turn (it has no "
+                "previous answer); give arrival_s"
+            )
         stop = eos_token_id if stop_at_eos else None
         turns.append(
             Turn(
@@ -95,6 +110,8 @@ def load_prompts(
                 max_new_tokens=max_new,
                 tenant=tenant,
                 stop_token=stop,
+                arrival_s=times.get("arrival_s"),
+                think_s=times.get("think_s", 0.0),
             )
         )
     if not turns:

@@ -24,6 +24,11 @@ Shapes (``SHAPES``):
 Arrivals: sessions start as a Poisson process (``session_rate`` per second) and a
 session's next turn comes ``think_s`` (exponential) after the previous one, so turns of
 many sessions interleave and the reuse distance grows with the number of live sessions.
+Every request carries its planned ``arrival_s`` (trace seconds) and a later turn its drawn
+gap ``think_s``; the JSONL lines hold both (optional when read: a file without them is a
+trace without times). A model-free replay reads ``arrival_s``; a serving replay, where a
+later turn can only start once its previous answer exists, reads ``think_s`` as the time
+after that answer and ``arrival_s`` as "not before".
 
 Determinism: everything is drawn from ``random.Random(seed)`` before any reply is known,
 in a fixed order; ``respond`` (e.g. a real model) may replace the drawn replies (same
@@ -39,6 +44,8 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 
+from runtime.workloads import check_seconds
+
 Respond = Callable[[tuple[int, ...], int], Sequence[int]]
 """``respond(input_tokens, num_output)``: the reply to a prompt, exactly ``num_output`` ids."""
 
@@ -52,14 +59,28 @@ class TraceRequest:
     turn: int
     input_tokens: tuple[int, ...]
     output_tokens: tuple[int, ...]
+    arrival_s: float | None = None
+    """Planned arrival, trace seconds (None: no time; generated traces always set it)."""
+    think_s: float = 0.0
+    """A later turn: seconds after the session's previous request (0 for a first turn)."""
+
+    def __post_init__(self) -> None:
+        if self.arrival_s is not None:
+            check_seconds("TraceRequest.arrival_s", self.arrival_s)
+        check_seconds("TraceRequest.think_s", self.think_s)
 
     def as_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "session_id": self.session_id,
             "turn": self.turn,
             "input_tokens": list(self.input_tokens),
             "output_tokens": list(self.output_tokens),
         }
+        if self.arrival_s is not None:
+            out["arrival_s"] = self.arrival_s
+        if self.think_s:
+            out["think_s"] = self.think_s
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,6 +167,8 @@ class _Step:
     """One planned request of a session: what it appends and when it arrives."""
 
     arrival: float
+    think: float
+    """Seconds after the session's previous step (0 for its first)."""
     session: int
     turn: int
     new_tokens: tuple[int, ...]
@@ -194,14 +217,14 @@ def _plan(shape: TraceShape, draw: _Draw) -> tuple[list[tuple[int, ...]], list[_
         else:
             openings.append(system)
         for turn in range(draw.turns()):
-            if turn:
-                t += rng.expovariate(1.0 / shape.think_s)
+            gap = rng.expovariate(1.0 / shape.think_s) if turn else 0.0
+            t += gap
             if shape.kind == "agent":
                 new = draw.tokens(draw.length(shape.obs_median)) if turn else ()
             else:
                 new = draw.tokens(draw.length(shape.user_median))
             reply = draw.tokens(draw.length(shape.reply_median))
-            steps.append(_Step(t, s, turn, new, reply))
+            steps.append(_Step(t, gap, s, turn, new, reply))
     steps.sort(key=lambda st: (st.arrival, st.session, st.turn))
     return openings, steps
 
@@ -256,7 +279,7 @@ def make_trace(
             history[s] = prompt + reply
         else:
             pairs[s].append((reply, ()))
-        trace.append(TraceRequest(s, st.turn, prompt, reply))
+        trace.append(TraceRequest(s, st.turn, prompt, reply, st.arrival, st.think))
     return trace
 
 
@@ -289,7 +312,8 @@ def read_jsonl(path: str) -> Iterator[TraceRequest]:
     """The requests of a JSONL trace, in file order.
 
     Required keys: ``session_id`` (an int or a string), ``input_tokens`` (non-empty),
-    ``output_tokens`` (non-empty); ``turn`` is optional (0). ``ValueError`` names the bad line.
+    ``output_tokens`` (non-empty); ``turn`` is optional (0), so are ``arrival_s`` (None) and
+    ``think_s`` (0; both numbers >= 0). ``ValueError`` names the bad line.
     """
     with open(path) as f:
         for i, line in enumerate(f, start=1):
@@ -313,4 +337,14 @@ def read_jsonl(path: str) -> Iterator[TraceRequest]:
             session = obj["session_id"]
             if type(session) not in (int, str):
                 raise ValueError(f"{path} line {i}: session_id must be an int or a string")
-            yield TraceRequest(session, int(obj.get("turn", 0)), inputs, outputs)
+            times: list[float | None] = []
+            for key, default in (("arrival_s", None), ("think_s", 0.0)):
+                value = obj.get(key, default)
+                try:
+                    times.append(None if value is None else check_seconds(key, value))
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{path} line {i}: {e}") from None
+            arrival, think = times
+            yield TraceRequest(
+                session, int(obj.get("turn", 0)), inputs, outputs, arrival, think or 0.0
+            )

@@ -5,12 +5,19 @@ tokens; the engine builds the prompt as the session's history (previous prompt +
 previous answer) followed by them, because the answer is whatever the model generated.
 Everything is drawn from ``random.Random(seed)``, so a seed names the same trace on
 every rank and every run.
+
+Arrival times (``with_arrivals``): a session's first turn carries ``arrival_s`` (trace
+seconds; sessions start as a Poisson process at a rate), each later turn ``think_s`` (it
+arrives that long after the session's previous answer, since its prompt contains that
+answer). A scheduler replaying in real time honours them; ``Engine.run`` ignores them.
 """
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 WORKLOADS = ("multiturn", "shared-prefix", "agent")
 
@@ -30,6 +37,62 @@ class Turn:
     """The request's cache tenant (None: the cache's ``HiCacheConfig.tenant``)."""
     stop_token: int | None = None
     """Generation ends after this token id (e.g. end of sequence; None: never)."""
+    arrival_s: float | None = None
+    """Trace seconds at which the request arrives (None: at once for a first turn, and
+    for a later turn its previous answer plus ``think_s``; on a later turn a time means
+    "not before")."""
+    think_s: float = 0.0
+    """A later turn arrives this many seconds after its session's previous answer."""
+
+    def __post_init__(self) -> None:
+        if self.arrival_s is not None:
+            check_seconds("Turn.arrival_s", self.arrival_s)
+        check_seconds("Turn.think_s", self.think_s)
+
+    @property
+    def timed(self) -> bool:
+        """True when the turn carries an arrival time or a think time."""
+        return self.arrival_s is not None or self.think_s > 0
+
+
+def check_seconds(what: str, value: object) -> float:
+    """``value`` as seconds: a finite int or float >= 0 (not a bool); ``ValueError``
+    (``TypeError`` for a non-number) naming ``what`` and the value otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def with_arrivals(
+    trace: Sequence[Turn], rate: float | None, *, seed: int = 0, think_s: float = 0.0
+) -> list[Turn]:
+    """``trace`` with arrival times: the first session's first turn arrives at 0, each
+    next session's (in trace order) an exponential gap with mean ``1 / rate`` after the
+    previous one's (a Poisson process of ``rate`` sessions per second; ``rate=None``:
+    every first turn at 0), and each later turn ``think_s`` after its previous answer, drawn
+    exponential with mean ``think_s`` (0: at once). Seeded: the same times on every rank.
+    Times already in ``trace`` are replaced."""
+    if rate is not None:
+        check_seconds("rate", rate)
+        if not rate > 0:
+            raise ValueError(f"rate must be > 0 requests per second, got {rate!r}")
+    check_seconds("think_s", think_s)
+    rng = random.Random(seed * 1_000_003 + 7919)  # own stream: the tokens stay as they are
+    clock = 0.0
+    seen: set[int] = set()
+    out: list[Turn] = []
+    for turn in trace:
+        if turn.session not in seen:
+            seen.add(turn.session)
+            if rate is not None and seen != {turn.session}:
+                clock += rng.expovariate(rate)
+            out.append(replace(turn, arrival_s=clock, think_s=0.0))
+        else:
+            think = rng.expovariate(1.0 / think_s) if think_s > 0 else 0.0
+            out.append(replace(turn, arrival_s=None, think_s=think))
+    return out
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:

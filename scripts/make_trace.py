@@ -4,15 +4,19 @@
     python scripts/make_trace.py agent --seed 1 --set sessions=80 --set keep_observations=5 \\
         --out agent.jsonl
 
-``--set FIELD=VALUE`` overrides a ``runtime.traces.TraceShape`` field. Prints the
-request count, prompt tokens and the longest prompt. Same arguments, same file.
+``--set FIELD=VALUE`` overrides a ``runtime.traces.TraceShape`` field; ``--session-rate``
+(sessions started per second, Poisson) and ``--think-s`` (mean seconds between a
+session's turns) are the arrival fields by name. Every line carries ``arrival_s`` (planned
+arrival, trace seconds) and a later turn ``think_s`` (its gap); ``--no-times`` leaves
+both out. Prints the request count, prompt tokens, the longest prompt and the trace's
+span in seconds. Same arguments, same file.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from runtime.traces import SHAPES, TraceShape, make_trace, trace_shape, write_jsonl
 
@@ -41,19 +45,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--set", type=_override, action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--session-rate", type=float, help="sessions started per second (Poisson)")
+    p.add_argument("--think-s", type=float, help="mean seconds between a session's turns")
+    p.add_argument("--no-times", action="store_true", help="write no arrival_s / think_s")
     p.add_argument("--out", required=True, help="JSONL file to write")
     args = p.parse_args(argv)
+    overrides = dict(args.set)
+    for name in ("session_rate", "think_s"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     try:
-        shape = trace_shape(args.shape, **dict(args.set))
+        shape = trace_shape(args.shape, **overrides)
         trace = make_trace(shape, seed=args.seed, vocab=args.vocab)
     except ValueError as err:
         print(f"make_trace: error: {err}", file=sys.stderr)
         return 2
+    if args.no_times:
+        trace = [replace(r, arrival_s=None, think_s=0.0) for r in trace]
     write_jsonl(trace, args.out)
     lengths = [len(r.input_tokens) for r in trace]
+    span = max((r.arrival_s or 0.0) for r in trace)
     print(
         f"{args.out}: {len(trace)} requests, {len({r.session_id for r in trace})} sessions, "
-        f"{sum(lengths)} prompt tokens, longest prompt {max(lengths)}"
+        f"{sum(lengths)} prompt tokens, longest prompt {max(lengths)}, last arrival "
+        f"{span:.1f} s"
     )
     return 0
 

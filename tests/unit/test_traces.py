@@ -1,4 +1,5 @@
-"""runtime.traces: seeded, shaped as documented, JSONL round trip; scripts/make_trace.py."""
+"""runtime.traces: seeded, shaped as documented, JSONL round trip; scripts/make_trace.py.
+Arrival times: Turn.arrival_s / think_s, workloads.with_arrivals, --prompts and trace files."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import sys
 
 import pytest
 
+from runtime.prompts import load_prompts
 from runtime.traces import TraceRequest, make_trace, read_jsonl, trace_shape, write_jsonl
+from runtime.workloads import Turn, make_workload, with_arrivals
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
@@ -116,8 +119,10 @@ def test_jsonl_round_trip_and_errors(tmp_path):
     path = str(tmp_path / "t.jsonl")
     assert write_jsonl(trace, path) == len(trace)
     assert list(read_jsonl(path)) == trace
-    first = json.loads(open(path).readline())
-    assert set(first) == {"session_id", "turn", "input_tokens", "output_tokens"}
+    lines = [json.loads(line) for line in open(path)]
+    assert set(lines[0]) == {"session_id", "turn", "input_tokens", "output_tokens", "arrival_s"}
+    later = [obj for obj in lines if obj["turn"] > 0]
+    assert later and all(set(obj) == set(lines[0]) | {"think_s"} for obj in later)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"session_id": 0, "input_tokens": [1]}\n')
     with pytest.raises(ValueError, match="line 1: missing keys \\['output_tokens'\\]"):
@@ -141,3 +146,119 @@ def test_make_trace_script(tmp_path, capsys):
     assert make_trace_script.main(["chat", "--set", "sessions=0", "--out", out]) == 2
     with pytest.raises(SystemExit):
         make_trace_script.main(["chat", "--set", "bogus=1", "--out", out])
+
+
+def test_trace_times_are_planned_arrivals_and_gaps():
+    shape = trace_shape("chat", sessions=30, session_rate=2.0, think_s=5.0)
+    trace = make_trace(shape, seed=3)
+    arrivals = [r.arrival_s for r in trace]
+    assert all(a is not None for a in arrivals)
+    assert arrivals == sorted(arrivals)  # the trace is in arrival order
+    firsts = sorted(r.arrival_s for r in trace if r.turn == 0)
+    gaps = [b - a for a, b in zip([0.0, *firsts], firsts, strict=False)]
+    assert 0.25 < statistics.fmean(gaps) < 1.0  # mean 1 / session_rate = 0.5 s
+    for turns in _by_session(trace).values():
+        assert turns[0].think_s == 0.0
+        for prev, cur in zip(turns, turns[1:], strict=False):
+            assert cur.arrival_s == pytest.approx(prev.arrival_s + cur.think_s)
+            assert cur.think_s > 0
+    thinks = [r.think_s for r in trace if r.turn > 0]
+    assert 2.5 < statistics.fmean(thinks) < 10.0  # mean think_s = 5
+    # Times do not change the tokens: the same draws in the same order as before.
+    slower = make_trace(trace_shape("chat", sessions=30, session_rate=0.5), seed=3)
+    assert {(r.session_id, r.turn, r.input_tokens) for r in slower} == {
+        (r.session_id, r.turn, r.input_tokens) for r in trace
+    }
+
+
+def test_trace_file_times_are_optional_and_checked(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"session_id": 0, "input_tokens": [1], "output_tokens": [2], "arrival_s": 1.5}\n'
+        '{"session_id": 0, "turn": 1, "input_tokens": [1, 2, 3], "output_tokens": [4], '
+        '"think_s": 2}\n'
+    )
+    got = list(read_jsonl(str(path)))
+    assert got[0] == TraceRequest(0, 0, (1,), (2,), 1.5, 0.0)
+    assert got[1].arrival_s is None and got[1].think_s == 2.0
+    for bad, message in [
+        ('"arrival_s": -1', "arrival_s must be a finite number of seconds >= 0, got -1"),
+        ('"arrival_s": "soon"', "arrival_s must be a number of seconds, got 'soon'"),
+        ('"think_s": NaN', "think_s must be a finite number of seconds >= 0, got nan"),
+        ('"think_s": true', "think_s must be a number of seconds, got True"),
+    ]:
+        path.write_text(
+            '{"session_id": 0, "input_tokens": [1], "output_tokens": [2], ' + bad + "}\n"
+        )
+        with pytest.raises(ValueError, match="line 1: " + message.replace("(", "\\(")):
+            list(read_jsonl(str(path)))
+    with pytest.raises(ValueError, match="TraceRequest.think_s"):
+        TraceRequest(0, 0, (1,), (2,), think_s=-0.5)
+
+
+def test_make_trace_script_arrival_options(tmp_path, capsys):
+    out = str(tmp_path / "chat.jsonl")
+    argv = ["chat", "--set", "sessions=4", "--session-rate", "3", "--think-s", "0.5"]
+    assert make_trace_script.main([*argv, "--out", out]) == 0
+    want = make_trace(trace_shape("chat", sessions=4, session_rate=3.0, think_s=0.5), seed=0)
+    assert list(read_jsonl(out)) == want
+    assert "last arrival" in capsys.readouterr().out
+    assert make_trace_script.main([*argv, "--no-times", "--out", out]) == 0
+    got = list(read_jsonl(out))
+    assert all(r.arrival_s is None and r.think_s == 0.0 for r in got)
+    assert [r.input_tokens for r in got] == [r.input_tokens for r in want]
+    assert make_trace_script.main(["chat", "--session-rate", "0", "--out", out]) == 2
+
+
+def test_turn_times_are_validated():
+    assert Turn(0, 0, 0, (1,), arrival_s=2).arrival_s == 2
+    assert not Turn(0, 0, 0, (1,)).timed and Turn(0, 0, 1, (1,), think_s=0.1).timed
+    with pytest.raises(ValueError, match="Turn.arrival_s must be a finite .* got -0.1"):
+        Turn(0, 0, 0, (1,), arrival_s=-0.1)
+    with pytest.raises(ValueError, match="Turn.think_s must be a finite .* got inf"):
+        Turn(0, 0, 1, (1,), think_s=float("inf"))
+    with pytest.raises(TypeError, match="Turn.think_s must be a number of seconds, got '1'"):
+        Turn(0, 0, 1, (1,), think_s="1")  # type: ignore[arg-type]
+
+
+def test_with_arrivals_is_seeded_poisson_with_think_times():
+    trace = make_workload("multiturn", sessions=200, turns=2, vocab=100, first_prompt_len=40)
+    timed = with_arrivals(trace, 4.0, seed=5, think_s=0.25)
+    assert timed == with_arrivals(trace, 4.0, seed=5, think_s=0.25)  # same on every rank
+    assert timed != with_arrivals(trace, 4.0, seed=6, think_s=0.25)
+    assert [t.user_tokens for t in timed] == [t.user_tokens for t in trace]
+    firsts = [t for t in timed if t.turn == 0]
+    assert firsts[0].arrival_s == 0.0
+    starts = [t.arrival_s for t in firsts]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    mean_gap = starts[-1] / (len(starts) - 1)
+    assert 0.18 < mean_gap < 0.33  # 1 / rate = 0.25 s
+    later = [t for t in timed if t.turn > 0]
+    assert all(t.arrival_s is None and t.think_s > 0 for t in later)
+    assert 0.18 < statistics.fmean(t.think_s for t in later) < 0.33
+    at_once = with_arrivals(timed, None)
+    assert all(t.arrival_s == 0.0 for t in at_once if t.turn == 0)
+    assert all(t.think_s == 0.0 and t.arrival_s is None for t in at_once if t.turn > 0)
+    with pytest.raises(ValueError, match="rate must be > 0 requests per second, got 0"):
+        with_arrivals(trace, 0)
+    with pytest.raises(ValueError, match="think_s must be a finite number .* got -1"):
+        with_arrivals(trace, 1.0, think_s=-1)
+
+
+def test_prompts_file_times(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"input_ids": [1, 2], "session": "a", "arrival_s": 0.5}\n'
+        '{"input_ids": [3], "session": "a", "think_s": 1.25}\n'
+        '{"input_ids": [4]}\n'
+    )
+    turns = load_prompts(path, 10)
+    assert [(t.arrival_s, t.think_s) for t in turns] == [(0.5, 0.0), (None, 1.25), (None, 0.0)]
+    for line, message in [
+        ('{"input_ids": [1], "arrival_s": -2}', ":1: arrival_s must be a finite .* got -2"),
+        ('{"input_ids": [1], "arrival_s": [1]}', ":1: arrival_s must be a number .* got \\[1\\]"),
+        ('{"input_ids": [1], "think_s": 3}', ":1: think_s=3.0 on a session's first turn"),
+    ]:
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_prompts(path, 10)
