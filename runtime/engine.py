@@ -60,6 +60,12 @@ class RequestResult:
     decode_s: float
     output_ids: list[int]
     last_logits: list[float] | None = None
+    arrival_s: float = 0.0
+    """Trace seconds at which the request arrived (agreed over the mesh when realtime)."""
+    first_token_s: float = 0.0
+    """Trace seconds at which its first token was produced."""
+    finish_s: float = 0.0
+    """Trace seconds at which its last token was produced."""
 
     @property
     def cached(self) -> int:
@@ -79,6 +85,9 @@ class RequestResult:
             "ttft_s": self.ttft_s,
             "decode_s": self.decode_s,
             "output_ids": self.output_ids,
+            "arrival_s": self.arrival_s,
+            "first_token_s": self.first_token_s,
+            "finish_s": self.finish_s,
         }
         if self.last_logits is not None:
             out["last_logits"] = self.last_logits
