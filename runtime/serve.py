@@ -3,6 +3,7 @@
     python -m runtime.serve                                  # one rank, embedded defaults
     torchrun --standalone --nproc-per-node 4 -m runtime.serve --cp 2 --tp 2
     python -m runtime.serve --cache off --json off.json      # recompute baseline
+    python -m runtime.serve --concurrency 8 --request-rate 2 # batched, real-time arrivals
 
 Rank 0 prints progress and a summary table; ``--json`` writes per-request results.
 """
@@ -55,7 +56,7 @@ from runtime.startup_checks import (
     storage_requested,
     too_long_for_l1,
 )
-from runtime.workloads import WORKLOADS, Turn, make_workload
+from runtime.workloads import WORKLOADS, Turn, make_workload, with_arrivals
 
 CACHE_MODES = ("off", "device", "host", "full")
 # Per user, persistent: $XDG_CACHE_HOME/mesh_hicache/l3, else ~/.cache/mesh_hicache/l3.
@@ -103,6 +104,33 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="torch threads per rank (0: torch's default; torchrun already sets 1)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="most requests in flight (continuous batching); 1 without arrival times: "
+        "one request at a time (Engine.run)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="sessions arriving per second (Poisson first turns, replayed in real time); "
+        "default: all at once",
+    )
+    p.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="mean seconds (exponential) between an answer and its session's next turn "
+        "(with --request-rate)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=256,
+        help="prefill tokens computed per scheduler step beside the batched decode",
     )
 
 
@@ -297,15 +325,56 @@ def workload(args: argparse.Namespace, vocab: int) -> list[Turn]:
     )
 
 
+def timed_trace(args: argparse.Namespace, trace: Sequence[Turn]) -> list[Turn]:
+    """``trace`` with ``--request-rate`` / ``--think-s`` arrival times (seeded by
+    ``--seed``); unchanged without ``--request-rate``. ``ValueError`` when the trace
+    already carries times (a ``--prompts`` file with ``arrival_s`` / ``think_s``)."""
+    if args.request_rate is None:
+        return list(trace)
+    if any(t.timed for t in trace):
+        raise ValueError("--request-rate: the --prompts file already gives arrival_s / think_s")
+    return with_arrivals(trace, args.request_rate, seed=args.seed, think_s=args.think_s)
+
+
+def scheduler_config(args: argparse.Namespace, trace: Sequence[Turn]) -> Any:
+    """The ``SchedulerConfig`` when the flags ask for the scheduler (``--concurrency`` > 1,
+    or a trace with arrival times), else None (``Engine.run``, one request at a time)."""
+    realtime = any(t.timed for t in trace)
+    if args.concurrency == 1 and not realtime:
+        return None
+    from runtime.scheduler import SchedulerConfig  # noqa: PLC0415 - only on this path
+
+    return SchedulerConfig(
+        max_running=args.concurrency, token_budget=args.token_budget, realtime=realtime
+    )
+
+
 def serve_trace(
-    engine: Engine, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
+    engine: Engine,
+    trace: Sequence[Turn],
+    progress: Callable[[RequestResult], None] | None = None,
+    scheduler: Any = None,
 ) -> tuple[list[RequestResult], float, dict[str, object] | None]:
     """Serve ``trace``, then flush and close the engine's cache.
 
+    ``scheduler``: a ``runtime.scheduler.SchedulerConfig`` to serve it batched by a
+    ``Scheduler`` on the engine's model and cache (None: ``engine.run``, sequential).
     Returns the results, the wall time of serving, and the cache's counters (None
     without a cache). Collective."""
     t0 = time.perf_counter()
-    results = engine.run(trace, progress)
+    if scheduler is None:
+        results = engine.run(trace, progress)
+    else:
+        from runtime.scheduler import Scheduler  # noqa: PLC0415
+
+        batched = Scheduler(
+            engine.model,
+            engine.cache,
+            scheduler,
+            max_new_tokens=engine.max_new_tokens,
+            keep_logits=engine.keep_logits,
+        )
+        results = batched.run(trace, progress)
     wall = time.perf_counter() - t0
     stats = None
     if engine.cache is not None:
@@ -322,7 +391,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.prompts:
         tokenizer_path = choice.checkpoint.tokenizer_path if choice.checkpoint else None
         eos = choice.checkpoint.eos_token_id if choice.checkpoint else None
-        load_prompts(args.prompts, config.vocab_size, load_tokenizer(tokenizer_path), eos)
+        prompts = load_prompts(args.prompts, config.vocab_size, load_tokenizer(tokenizer_path), eos)
     config.check_mesh(
         tp=args.tp, cp=args.cp, pp=args.pp, page_size=args.page_size, cp_kv=args.cp_kv
     )
@@ -333,10 +402,32 @@ def check_args(args: argparse.Namespace) -> None:
         for budget in (cfg.device_bytes, cfg.host_arena_bytes() if cfg.enable_host else 0):
             if budget:
                 mesh_plan(spec, shape, args.cp_kv, budget, cfg.block_bytes)
-    workload(args, config.vocab_size)
+    trace = workload(args, config.vocab_size)
+    if args.prompts:
+        trace = prompts
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_load_flags(args)
+    try:
+        scheduler_config(args, timed_trace(args, trace))
+    except ImportError as err:
+        raise ValueError(f"--concurrency / arrival times need runtime.scheduler: {err}") from None
     check_run_flags(args)
+
+
+def check_load_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag for a bad ``--concurrency``, ``--request-rate``,
+    ``--think-s`` or ``--token-budget``."""
+    for flag, value in (("--concurrency", args.concurrency), ("--token-budget", args.token_budget)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    rate = args.request_rate
+    if rate is not None and not (0 < rate < float("inf")):
+        raise ValueError(f"--request-rate must be > 0 requests per second, got {rate}")
+    if not 0 <= args.think_s < float("inf"):
+        raise ValueError(f"--think-s must be >= 0 seconds, got {args.think_s}")
+    if args.think_s and rate is None:
+        raise ValueError(f"--think-s {args.think_s} needs --request-rate (real-time arrivals)")
 
 
 def check_run_flags(args: argparse.Namespace) -> None:
@@ -398,7 +489,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:
-    """Totals and latency percentiles of a run."""
+    """Totals and latency percentiles of a run.
+
+    ``throughput_rps``: requests per wall second; ``throughput_tps``: every prompt token
+    (cached or computed) plus every generated token, per wall second of the whole run
+    (queueing and idle time between arrivals included). TTFT is from the request's
+    arrival (the scheduler's ``ttft_s``: queueing included; sequential: from its start)."""
     prompt = sum(r.prompt_len for r in results)
     cached = [
         sum(getattr(r, f"cached_{t}") for r in results) for t in ("device", "host", "storage")
@@ -406,6 +502,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
     ttft = [r.ttft_s for r in results]
     decode_tokens = sum(max(len(r.output_ids) - 1, 0) for r in results)
     decode_s = sum(r.decode_s for r in results)
+    generated = sum(len(r.output_ids) for r in results)
     return {
         "requests": len(results),
         "prompt_tokens": prompt,
@@ -416,10 +513,14 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
         "hit_rate": sum(cached) / prompt if prompt else 0.0,
         "ttft_p50_s": percentile(ttft, 0.5),
         "ttft_p95_s": percentile(ttft, 0.95),
+        "ttft_p99_s": percentile(ttft, 0.99),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0,
         "wall_s": wall_s,
         "requests_per_s": len(results) / wall_s if wall_s > 0 else 0.0,
+        "generated_tokens": generated,
+        "throughput_rps": len(results) / wall_s if wall_s > 0 else 0.0,
+        "throughput_tps": (prompt + generated) / wall_s if wall_s > 0 else 0.0,
     }
 
 
@@ -438,6 +539,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['ttft_p50_s'] * 1e3:.1f} / {summary['ttft_p95_s'] * 1e3:.1f} ms",
         ),
         ("decode tokens/s", f"{summary['decode_tokens_per_s']:.1f}"),
+        (
+            "throughput",
+            f"{summary['throughput_rps']:.2f} req/s, {summary['throughput_tps']:.0f} tokens/s",
+        ),
         ("wall time", f"{summary['wall_s']:.1f} s"),
     ]
     if "requests_uncached_l1" in summary:
@@ -472,6 +577,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
         trace = load_prompts(args.prompts, config.vocab_size, tokenizer, eos)
     else:
         trace = workload(args, config.vocab_size)
+    trace = timed_trace(args, trace)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)
     log = logging.getLogger("runtime.serve")
     l1_pages = cache.device.max_pages if cache is not None else 0  # an empty L1's pages
@@ -500,7 +606,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     with watch:
-        results, wall, stats = serve_trace(engine, trace, progress)
+        results, wall, stats = serve_trace(engine, trace, progress, scheduler_config(args, trace))
     summary = summarize(results, wall)
     summary["requests_uncached_l1"] = sum(
         cache is None or too_long_for_l1(r.prompt_len + len(r.output_ids), args.page_size, l1_pages)

@@ -1,10 +1,20 @@
-"""runtime.serve end to end: cache off vs full give identical outputs; mesh = one rank."""
+"""runtime.serve end to end: cache off vs full give identical outputs; mesh = one rank;
+--concurrency / --request-rate hand the (timed) trace to the scheduler; throughput summary."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
+import types
 
+import pytest
+
+from runtime import serve
+from runtime.engine import Engine
+from runtime.model.config import PRESETS
+from runtime.workloads import Turn, with_arrivals
 from tests.serve_cases import ROOT, run_serve
 
 
@@ -64,3 +74,81 @@ def test_bad_mesh_is_a_clear_error():
         timeout=120,
     )
     assert proc.returncode == 2 and "runtime.serve: error" in proc.stderr
+
+
+# -- load flags: --concurrency / --request-rate drive the scheduler ----------------------------
+
+TINY = ["--model", "tiny", "--sessions", "3", "--turns", "2", "--max-new-tokens", "2"]
+TINY += ["--first-prompt-len", "40", "--append-len", "8", "--threads", "1", "--quiet"]
+
+
+class _StubSchedulerModule(types.ModuleType):
+    """A stand-in ``runtime.scheduler`` (the contract's interface): serves sequentially
+    through ``Engine.run`` and records what runtime.serve handed it."""
+
+    def __init__(self) -> None:
+        super().__init__("runtime.scheduler")
+        self.seen: list[tuple[object, list[Turn]]] = []
+        seen = self.seen
+
+        @dataclasses.dataclass(frozen=True)
+        class SchedulerConfig:
+            max_running: int = 8
+            token_budget: int = 256
+            realtime: bool = False
+
+        class Scheduler:
+            def __init__(self, model, cache, config, *, max_new_tokens=8, keep_logits=False):
+                self.engine = Engine(model, cache, max_new_tokens, keep_logits)
+                self.config = config
+
+            def run(self, trace, progress=None):
+                seen.append((self.config, list(trace)))
+                return self.engine.run(trace, progress)
+
+        self.SchedulerConfig = SchedulerConfig
+        self.Scheduler = Scheduler
+
+
+def _main(tmp_path, name, *extra):
+    out = tmp_path / f"{name}.json"
+    assert serve.main([*TINY, "--cache", "device", "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_load_flags_reach_the_scheduler_and_the_summary(tmp_path, monkeypatch):
+    stub = _StubSchedulerModule()
+    monkeypatch.setitem(sys.modules, "runtime.scheduler", stub)
+    seq = _main(tmp_path, "seq")
+    assert stub.seen == []  # --concurrency 1 without times: Engine.run
+    flags = ("--concurrency", "3", "--token-budget", "64", "--request-rate", "40")
+    got = _main(tmp_path, "load", *flags, "--think-s", "0.01", "--seed", "0")
+    ((config, trace),) = stub.seen
+    assert (config.max_running, config.token_budget, config.realtime) == (3, 64, True)
+    plain = serve.workload(serve.build_parser().parse_args(TINY), PRESETS["tiny"].vocab_size)
+    assert trace == with_arrivals(plain, 40.0, seed=0, think_s=0.01)
+    assert [r["output_ids"] for r in got["requests"]] == [r["output_ids"] for r in seq["requests"]]
+    # --concurrency alone: batched, all at once (no real-time replay).
+    _main(tmp_path, "batch", "--concurrency", "2")
+    assert stub.seen[1][0].realtime is False and stub.seen[1][1] == plain
+    for run in (seq, got):
+        s, reqs = run["summary"], run["requests"]
+        tokens = sum(r["prompt_len"] + len(r["output_ids"]) for r in reqs)
+        assert s["generated_tokens"] == sum(len(r["output_ids"]) for r in reqs) == 12
+        assert s["throughput_tps"] == pytest.approx(tokens / s["wall_s"])
+        assert s["throughput_rps"] == pytest.approx(len(reqs) / s["wall_s"])
+        assert s["ttft_p99_s"] >= s["ttft_p50_s"] > 0
+
+
+def test_prompts_file_times_select_the_scheduler(tmp_path, monkeypatch):
+    stub = _StubSchedulerModule()
+    monkeypatch.setitem(sys.modules, "runtime.scheduler", stub)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        '{"input_ids": [1, 2, 3], "session": 1, "arrival_s": 0.02}\n'
+        '{"input_ids": [4, 5], "session": 1, "think_s": 0.01}\n'
+    )
+    _main(tmp_path, "p", "--prompts", str(prompts))
+    ((config, trace),) = stub.seen
+    assert config.realtime and config.max_running == 1
+    assert [(t.arrival_s, t.think_s) for t in trace] == [(0.02, 0.0), (None, 0.01)]

@@ -46,6 +46,13 @@ def _error(capsys, *argv: str) -> str:
         (["--device-bytes", "100000000", "--host-bytes", "-2"], "host_bytes must be >= 0"),
         (["--mooncake-buffer-bytes", "-5"], "--mooncake-buffer-bytes must be >= 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+        (["--token-budget", "-4"], "--token-budget must be >= 1, got -4"),
+        (["--request-rate", "0"], "--request-rate must be > 0 requests per second, got 0.0"),
+        (["--request-rate", "nan"], "--request-rate must be > 0 requests per second, got nan"),
+        (["--request-rate", "inf"], "--request-rate must be > 0 requests per second, got inf"),
+        (["--request-rate", "1", "--think-s", "-1"], "--think-s must be >= 0 seconds, got -1.0"),
+        (["--think-s", "2"], "--think-s 2.0 needs --request-rate"),
     ],
 )
 def test_bad_flag_is_refused_before_any_work(no_work, capsys, argv, message):
@@ -89,3 +96,12 @@ def test_good_flags_pass_and_reach_the_storage_options(tmp_path):
     assert options["max_bytes"] == 4096 and options["secret_file"] == str(secret)
     assert options["retry_interval_s"] == 0.0
     assert list(tmp_path.iterdir()) == [secret]  # the writability probe left nothing
+
+
+def test_request_rate_conflicts_with_times_in_the_prompts_file(no_work, capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2], "arrival_s": 3}\n')
+    err = _error(capsys, "--prompts", str(prompts), "--request-rate", "2")
+    assert "--request-rate: the --prompts file already gives arrival_s" in err
+    prompts.write_text('{"input_ids": [1, 2], "arrival_s": -3}\n')
+    assert "p.jsonl:1: arrival_s must be a finite" in _error(capsys, "--prompts", str(prompts))
