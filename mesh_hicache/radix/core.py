@@ -358,14 +358,29 @@ class TreeCore:
             assert not node.children and node.lock_ref == 0 and node.host_ref == 0
             parent = node.parent
             assert parent is not None and not node.is_sentinel
-            if node.device_indices is not None:
-                freed.device.extend(self._detach(node, Tier.DEVICE, Family.KV, False))
-            if node.host_indices is not None:
-                freed.host.extend(self._detach(node, Tier.HOST, Family.KV, False))
-            if node.mamba_device_slot is not None:
-                freed.mamba_device.extend(self._detach(node, Tier.DEVICE, Family.STATE, False))
-            if node.mamba_host_slot is not None:
-                freed.mamba_host.extend(self._detach(node, Tier.HOST, Family.STATE, False))
+            # What ``_detach(..., requeue=False)`` does for each copy, written out (no
+            # (tier, family) lookups: this runs once per removed node).
+            pages = node.device_indices
+            if pages is not None:
+                node.device_indices = None
+                self.num_device_pages -= len(pages)
+                parent.num_device_children -= 1
+                freed.device.extend(pages)
+            pages = node.host_indices
+            if pages is not None:
+                node.host_indices = None
+                self.num_host_pages -= len(pages)
+                freed.host.extend(pages)
+            slot = node.mamba_device_slot
+            if slot is not None:
+                node.mamba_device_slot = None
+                self.num_mamba_device_slots -= 1
+                freed.mamba_device.append(slot)
+            slot = node.mamba_host_slot
+            if slot is not None:
+                node.mamba_host_slot = None
+                self.num_mamba_host_slots -= 1
+                freed.mamba_host.append(slot)
             del parent.children[node.data[:pb]]
             node.alive = False
             self._queues.remove(node)

@@ -30,7 +30,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from mesh_hicache.radix.eviction import EvictionPolicy, EvictTarget, NodeStats
+from mesh_hicache.radix.eviction import EvictionPolicy, EvictTarget, LRUPolicy, NodeStats
 
 if TYPE_CHECKING:
     from mesh_hicache.radix.node import TreeNode
@@ -158,6 +158,9 @@ class EvictionQueues:
         self._path = policy.path_stats
         self._aging = policy.aging
         self._select = type(policy).select is not EvictionPolicy.select
+        # LRU's key is (last_access, id, node) for every target: built directly, once per
+        # update, without a NodeStats (the same entries the generic path would build).
+        self._lru = type(policy).priority is LRUPolicy.priority and not self._aging
         self._seen = 0
         # Per tier (0 device, 1 host): GreedyDual clock steps (from logical time, value).
         self._steps: tuple[tuple[list[int], list[float]], ...] = (([0], [0.0]), ([0], [0.0]))
@@ -190,6 +193,8 @@ class EvictionQueues:
 
     def entry(self, node: TreeNode, target: EvictTarget) -> Entry:
         """The node's current queue entry for ``target``."""
+        if self._lru:
+            return (node.last_access, node.id, node)
         return (*self.policy.priority(self.stats(node, target), target), node.id, node)
 
     def _refresh(self, node: TreeNode) -> None:
@@ -221,22 +226,32 @@ class EvictionQueues:
     def update(self, node: TreeNode) -> None:
         """Make ``node``'s membership and keys match its current state (after a change)."""
         held = node.queue_entry
+        queues = self._queues
+        lru = self._lru
         refreshed = False
+        stats: NodeStats | None = None
+        new: Entry | None = None
         for q, wanted in enumerate(candidacy(node)):
             old = held[q]
             if wanted:
                 if not refreshed:
                     self._refresh(node)
                     refreshed = True
-                new = self.entry(node, TARGETS[q])
+                    if lru:
+                        new = (node.last_access, node.id, node)  # the same for every target
+                if not lru:
+                    target = TARGETS[q]
+                    if stats is None or self._aging:  # the tier's clock enters the stats
+                        stats = self.stats(node, target)
+                    new = (*self.policy.priority(stats, target), node.id, node)
                 if old is not None:
                     if old == new:
                         continue
-                    self._queues[q].remove(old)
-                self._queues[q].add(new)
+                    queues[q].remove(old)
+                queues[q].add(new)  # type: ignore[arg-type]
                 held[q] = new
             elif old is not None:
-                self._queues[q].remove(old)
+                queues[q].remove(old)
                 held[q] = None
 
     def remove(self, node: TreeNode) -> None:
