@@ -14,6 +14,7 @@ The device pool is sized so the trace's working set does not fit in L1 (the defa
 
     python scripts/bench_serving.py --json bench_results/serving.json --plot ttft.png
     python scripts/bench_serving.py --model tiny --sessions 2 --turns 2 --first-prompt-len 64
+    python scripts/bench_serving.py --mode load --json load.json --plot load.png
     torchrun --standalone --nproc-per-node 4 scripts/bench_serving.py --cp 2 --tp 2
 
 Per mode it reports TTFT p50/p95, prefill tokens computed, tokens hit per tier,
@@ -22,6 +23,10 @@ speedup ``1 / (1 - hit_rate)`` a free load would give, and whether every request
 output equals ``off``'s. On a small model the fixed per-request costs (decode of the
 first token, load copies, Python) weigh more than prefill, so the achieved/ideal ratio
 is only meaningful on a model whose prefill compute dominates.
+
+``--mode load`` measures throughput and TTFT under load instead (real-time arrivals at
+three rates, the batching scheduler, modes off / L1 / L1+L2 / L1+L2+L3, and the TTFT of a
+full-prefix L1 hit by cached length): see ``scripts/bench_load.py``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import bench_common
+import bench_load
 import torch
 import torch.distributed as dist
 from bench_common import Column
@@ -61,6 +67,8 @@ from runtime.serve import (
 from runtime.serve import build_parser as serve_parser
 
 MODES = ("off", "device", "host", "storage", "restart")
+SERVE_DEFAULTS = {"sessions": 8, "turns": 4, "first_prompt_len": 512}
+"""The workload of the default mode when not given (runtime.serve's defaults)."""
 MODE_TO_CACHE = {
     "off": "off",
     "device": "device",
@@ -193,7 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_args(p)
     # Bigger than serve's defaults: compute must dominate, and L2 must hold the trace.
     p.set_defaults(model="small", host_pages=1024)
+    # Load mode: 4 in flight; think time None = one sequential service time.
+    p.set_defaults(concurrency=4, think_s=None)
+    # Not given: filled per --mode (bench_load.LOAD_DEFAULTS / SERVE_DEFAULTS).
+    p.set_defaults(**{name: None for name in bench_load.LOAD_DEFAULTS})
+    p.add_argument(
+        "--mode",
+        choices=("modes", "load"),
+        default="modes",
+        help="modes: the trace served one request at a time under every --modes cache mode; "
+        "load: throughput/TTFT at three request rates (scripts/bench_load.py)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {MODES}")
+    bench_load.add_load_args(p)
     p.add_argument(
         "--host-mamba-slots", type=int, default=0, help="L2 Mamba slots; 0 = host pages / 4"
     )
@@ -391,11 +411,24 @@ def report(out: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _workload_line(args: argparse.Namespace) -> str:
+    return (
+        f"workload = {args.workload} ({args.sessions} sessions x {args.turns} turns, first "
+        f"prompt {args.first_prompt_len}, append {args.append_len}, {args.max_new_tokens} new "
+        f"tokens), concurrency {args.concurrency}, token budget {args.token_budget}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    bench_load.fill_workload_defaults(
+        args, bench_load.LOAD_DEFAULTS if args.mode == "load" else SERVE_DEFAULTS
+    )
     owns_group = not dist.is_initialized()
     try:
         parse_modes(args.modes)
+        if args.mode == "load":
+            bench_load.check_load_args(args)
         topology = init_mesh(args.pp, args.cp, args.tp)
     except (LaunchError, ValueError) as err:
         print(f"bench_serving: error: {err}", file=sys.stderr)
@@ -404,14 +437,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        out = run(args, topology)
+        out = bench_load.run_load(args, topology) if args.mode == "load" else run(args, topology)
     except ValueError as err:
         print(f"bench_serving: error: {err}", file=sys.stderr)
         return 2
     finally:
         # main() also runs inside other processes (tests): leave their setting as found.
         torch.set_num_threads(threads)
-    if topology.coords == (0, 0, 0):
+    if topology.coords == (0, 0, 0) and args.mode == "load":
+        print(f"mesh (pp, cp, tp) = {topology.shape}, model = {args.model}, {_workload_line(args)}")
+        print(bench_load.report_load(out))
+        if args.json:
+            bench_common.write_json(out, args.json)
+        if args.plot:
+            bench_load.write_load_plot(out["results"]["rows"], args.plot)
+    elif topology.coords == (0, 0, 0):
         print(
             f"mesh (pp, cp, tp) = {topology.shape}, model = {args.model}, workload = "
             f"{args.workload} ({args.sessions} sessions x {args.turns} turns), L1 = "

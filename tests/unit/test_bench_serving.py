@@ -11,10 +11,12 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
+import bench_load  # noqa: E402
 import bench_serving  # noqa: E402
 
 from runtime.engine import RequestResult  # noqa: E402
 from runtime.serve import percentile  # noqa: E402
+from runtime.workloads import Turn  # noqa: E402
 
 
 def _result(request_id: int, turn: int, ttft: float, out: list[int]) -> RequestResult:
@@ -160,3 +162,126 @@ def test_smoke_tiny_run(single_rank_group, tmp_path, capsys) -> None:
     # The fresh L3 root is removed afterwards; the table was printed.
     assert not any((tmp_path / "l3").iterdir())
     assert "| restart " in capsys.readouterr().out
+
+
+# -- --mode load (scripts/bench_load.py) ------------------------------------------------------
+
+
+def _sample(rep: int, ri: int, mode: str, rps: float, **extra) -> dict:
+    base = {k: 1.0 for k in bench_load.METRICS}
+    base.update(repeat=rep, rate_index=ri, rate=0.1 * (ri + 1), mode=mode, outputs_match=True)
+    base.update(throughput_rps=rps, throughput_tps=100 * rps, **extra)
+    return base
+
+
+def test_rates_order_and_parsing() -> None:
+    assert bench_load.choose_rates(2.0, 4, (0.5, 2.0)) == [0.25, 1.0]
+    with pytest.raises(ValueError, match="positive service rate"):
+        bench_load.choose_rates(0.0, 4, (1.0,))
+    assert bench_load.mode_order(["off", "device", "host"], 0) == ["off", "device", "host"]
+    assert bench_load.mode_order(["off", "device", "host"], 1) == ["host", "device", "off"]
+    assert bench_load.parse_numbers("0.5, 2,,8", "--x") == [0.5, 2.0, 8.0]
+    assert bench_load.parse_numbers("", "--x") == []
+    with pytest.raises(ValueError, match="--rates: 'fast' is not a number"):
+        bench_load.parse_numbers("1,fast", "--rates")
+    with pytest.raises(ValueError, match="--hit-lengths: '0' must be > 0"):
+        bench_load.parse_numbers("0", "--hit-lengths", int)
+    assert bench_load.parse_load_modes("host") == ("off", "host")
+    with pytest.raises(ValueError, match="unknown --load-modes \\['l9'\\]"):
+        bench_load.parse_load_modes("l9")
+
+
+def test_aggregate_takes_medians_and_same_run_ratios() -> None:
+    samples = [
+        _sample(0, 0, "off", 1.0),
+        _sample(0, 0, "host", 3.0),
+        _sample(1, 0, "host", 1.0),  # repetition 1: off was slow too
+        _sample(1, 0, "off", 0.25),
+        _sample(2, 0, "off", 2.0),
+        _sample(2, 0, "host", 2.0, outputs_match=False),
+        _sample(0, 1, "device", 5.0),  # no off at this rate
+    ]
+    rows = bench_load.aggregate(samples)
+    assert [(r["rate_index"], r["mode"]) for r in rows] == [(0, "off"), (0, "host"), (1, "device")]
+    off, host, device = rows
+    assert off["throughput_rps"] == 1.0 and off["rps_vs_off"] == 1.0 and off["repeats"] == 3
+    # Ratios per repetition (3, 4, 1), then the median; not median(host) / median(off).
+    assert host["rps_vs_off"] == 3.0 and host["tps_vs_off"] == 3.0
+    assert host["throughput_rps"] == 2.0 and host["label"] == "L1+L2"
+    assert host["outputs_match"] is False and off["outputs_match"] is True
+    assert device["rps_vs_off"] is None
+    accept = bench_load.acceptance(rows)
+    assert accept["saturating_rate"] == pytest.approx(0.2)
+    assert accept["cached_above_off"] is False  # device has no ratio at the top rate
+    top = bench_load.acceptance(rows[:2])
+    assert top["host_rps_vs_off"] == 3.0 and top["host_at_least_2x_off"] is True
+    assert top["cached_above_off"] is True and top["outputs_match"] is False
+    table = bench_load.render_load_table(rows)
+    assert "| L1+L2 " in table and "3.00x" in table and "NO" in table
+
+
+def test_load_pages_fit_the_batch_not_the_working_set() -> None:
+    args = bench_serving.build_parser().parse_args(["--device-pages", "8", "--host-pages", "4"])
+    args.concurrency = 2
+    trace = [Turn(i, i % 4, i // 4, tuple(range(30))) for i in range(8)]  # 4 sessions x 2
+    device, host = bench_load.load_pages(args, trace)
+    per_session = -(-(2 * (30 + args.max_new_tokens)) // args.page_size) + 1
+    assert device == 3 * per_session  # the batch of 2 plus one: less than 4 sessions' worth
+    assert host == 2 * 4 * per_session
+    args.device_pages, args.host_pages = 1000, 2000
+    assert bench_load.load_pages(args, trace) == (1000, 2000)  # never below the flags
+
+
+def test_load_flags_are_checked(capsys) -> None:
+    for argv, message in [
+        (["--mode", "load", "--repeats", "0"], "--repeats must be >= 1"),
+        (["--mode", "load", "--rate-factors", ""], "--rate-factors names no rate"),
+        (["--mode", "load", "--rates", "-1"], "--rates: '-1' must be > 0"),
+        (["--mode", "load", "--load-modes", "off,x"], "unknown --load-modes"),
+        (["--mode", "load", "--concurrency", "0"], "--concurrency must be >= 1"),
+    ]:
+        assert bench_serving.main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_smoke_load_run(single_rank_group, tmp_path, capsys) -> None:
+    """--mode load on the tiny model: 2 rates x 4 modes x 2 repetitions, one hit length."""
+    path = tmp_path / "load.json"
+    argv = [
+        "--mode", "load", "--model", "tiny", "--sessions", "2", "--turns", "2",
+        "--first-prompt-len", "64", "--append-len", "16", "--max-new-tokens", "3",
+        "--rate-factors", "0.5,50", "--repeats", "2", "--hit-lengths", "48",
+        "--hit-repeats", "2", "--think-s", "0", "--concurrency", "2",
+        "--storage-root", str(tmp_path / "l3"), "--json", str(path), "--threads", "1",
+    ]  # fmt: skip
+    assert bench_serving.main(argv) == 0
+    out = json.loads(path.read_text())
+    assert out["benchmark"] == "serving-load"
+    res = out["results"]
+    assert len(res["samples"]) == 2 * 2 * 4
+    # Repetition 1 ran the modes in reverse order.
+    first = [s["mode"] for s in res["samples"] if s["repeat"] == 0][:4]
+    second = [s["mode"] for s in res["samples"] if s["repeat"] == 1][:4]
+    assert first == list(bench_load.LOAD_MODES) and second == first[::-1]
+    seq_rate = res["service_rps"] / 2  # sessions per second, 2 turns a session
+    assert res["rates"] == pytest.approx([0.5 * seq_rate, 50 * seq_rate])
+    rows = res["rows"]
+    assert [(r["rate_index"], r["mode"]) for r in rows] == [
+        (i, m) for i in range(2) for m in bench_load.LOAD_MODES
+    ]
+    for r in rows:
+        assert r["outputs_match"] is True and r["repeats"] == 2
+        assert r["throughput_rps"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0
+        if r["mode"] == "off":
+            assert r["hit_rate"] == 0.0 and r["rps_vs_off"] == 1.0
+        else:
+            assert r["hit_rate"] > 0
+    # The light rate is arrival-bound: its wall time covers the Poisson arrivals.
+    light = [s for s in res["samples"] if s["rate_index"] == 0]
+    assert all(s["throughput_rps"] <= 4 / s["wall_s"] + 1e-9 for s in light)
+    (hit,) = res["hit_ttft"]
+    assert hit["cached_tokens"] == 48 and hit["hit_cached"] == 48 and hit["outputs_match"]
+    assert res["acceptance"]["outputs_match"] is True
+    printed = capsys.readouterr().out
+    assert "| L1+L2+L3 " in printed and "| cached tokens " in printed
+    assert not any((tmp_path / "l3").iterdir())  # every fresh L3 root was removed

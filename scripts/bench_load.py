@@ -1,0 +1,497 @@
+"""``bench_serving.py --mode load``: throughput and latency under load, per cache mode.
+
+The multi-turn workload is replayed in real time by the batching scheduler
+(``runtime.scheduler``) at three session rates, light to saturating, under each cache
+mode (off, L1, L1+L2, L1+L2+L3), each run on a fresh cache, in one process:
+
+1. **Service rate**: the trace is served once cache-off, one request at a time
+   (``Engine.run``). That run is the output reference, and its rate ``mu`` (requests per
+   second; ``mu / turns`` sessions per second) sizes the load: the session rates are
+   ``--rate-factors`` x ``mu / turns`` (default 0.5x, 2x, 8x: below what cache-off can
+   serve one by one, above it, far above it) unless ``--rates`` names them. The mean
+   think time between an answer and the session's next turn is ``1 / mu`` (one request's
+   sequential service time) unless ``--think-s`` is given.
+2. **Load runs**: for every repetition, rate and mode, the timed trace (Poisson session
+   starts at the rate, exponential think times, seeded: the same trace in every mode) is
+   served with ``--concurrency`` requests in flight. Repetitions alternate the modes'
+   order (forward, reversed), so a drift of the shared machine's load does not favour
+   one mode; every ratio against cache-off is taken within one repetition and rate, then
+   the median over repetitions is reported.
+3. **Hit TTFT**: a prompt of N + 1 tokens is served once (cold), then again: the second
+   is a full-prefix L1 hit of N tokens. Reported per N (``--hit-lengths``, default 512,
+   2048, 8192): the hit's TTFT (median of ``--hit-repeats``) next to the cold one.
+
+Metrics (``runtime.serve.summarize``): ``throughput_rps`` (requests per wall second of
+the run: from the first arrival to the last answer), ``throughput_tps`` (prompt tokens,
+cached or computed, plus generated tokens, per wall second), TTFT p50 / p99 (from the
+request's arrival, queueing included), ``decode_tokens_per_s`` (tokens after the first
+per second of a request's decode, i.e. per-request decode speed), hit rate; and whether
+every request's ``output_ids`` equal the reference's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import bench_common
+import torch.distributed as dist
+from bench_common import Column
+
+from mesh_hicache.cache import HiCache
+from mesh_hicache.topology import MeshTopology
+from runtime.engine import Engine, RequestResult
+from runtime.model import HybridModel
+from runtime.serve import build_model, cache_config, serve_trace, summarize, workload
+from runtime.serve import build_parser as serve_parser
+from runtime.workloads import Turn, with_arrivals
+
+LOAD_MODES = ("off", "device", "host", "storage")
+LABELS = {"off": "off", "device": "L1", "host": "L1+L2", "storage": "L1+L2+L3"}
+MODE_TO_CACHE = {"off": "off", "device": "device", "host": "host", "storage": "full"}
+RATE_FACTORS = (0.5, 2.0, 8.0)
+HIT_LENGTHS = (512, 2048, 8192)
+LOAD_DEFAULTS = {"sessions": 4, "turns": 4, "first_prompt_len": 512}
+"""``--mode load``'s workload when not given (the other mode keeps runtime.serve's 8 x 4):
+a few minutes on a shared 2-core box."""
+TARGET_RATIO = 2.0
+"""Done-when: L1+L2 throughput at the saturating rate is at least this multiple of off's."""
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """The ``--mode load`` flags."""
+    p.add_argument(
+        "--load-modes", default=",".join(LOAD_MODES), help=f"comma list from {LOAD_MODES}"
+    )
+    p.add_argument(
+        "--rates", default="", help="session rates per second, comma list (default: measured)"
+    )
+    p.add_argument(
+        "--rate-factors",
+        default=",".join(str(f) for f in RATE_FACTORS),
+        help="session rates as multiples of the measured sequential cache-off session rate",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="repetitions (modes' order alternates)")
+    p.add_argument(
+        "--hit-lengths",
+        default=",".join(str(n) for n in HIT_LENGTHS),
+        help="cached tokens of the full-prefix L1 hit TTFT probe (empty: skip it)",
+    )
+    p.add_argument("--hit-repeats", type=int, default=3, help="hits measured per length")
+
+
+def fill_workload_defaults(args: argparse.Namespace, defaults: Mapping[str, int]) -> None:
+    """Set every workload flag left at None (not given) from ``defaults``."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def parse_numbers(text: str, what: str, kind: type = float) -> list[Any]:
+    """The comma-separated positive numbers of ``text`` (empty: none); ``ValueError``
+    naming ``what`` and the bad entry."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            value = kind(part)
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not a number") from None
+        if not (value > 0 and value < float("inf")):
+            raise ValueError(f"{what}: {part!r} must be > 0")
+        out.append(value)
+    return out
+
+
+def parse_load_modes(text: str) -> tuple[str, ...]:
+    """The load modes named in ``text`` in run order; ``off`` is always run."""
+    names = {m.strip() for m in text.split(",") if m.strip()}
+    unknown = names - set(LOAD_MODES)
+    if unknown:
+        raise ValueError(f"unknown --load-modes {sorted(unknown)}; choose from {LOAD_MODES}")
+    names.add("off")
+    return tuple(m for m in LOAD_MODES if m in names)
+
+
+def check_load_args(args: argparse.Namespace) -> None:
+    """``ValueError`` for bad ``--mode load`` flags, before any work."""
+    parse_load_modes(args.load_modes)
+    parse_numbers(args.rates, "--rates")
+    if not parse_numbers(args.rate_factors, "--rate-factors") and not args.rates:
+        raise ValueError("--rate-factors names no rate")
+    parse_numbers(args.hit_lengths, "--hit-lengths", int)
+    for flag, value in (("--repeats", args.repeats), ("--hit-repeats", args.hit_repeats)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.think_s is not None and not 0 <= args.think_s < float("inf"):
+        raise ValueError(f"--think-s must be >= 0 seconds, got {args.think_s}")
+
+
+def choose_rates(service_rps: float, turns: int, factors: Sequence[float]) -> list[float]:
+    """Session rates ``factor * service_rps / turns``: ``service_rps`` is the measured
+    sequential cache-off request rate, a session brings ``turns`` requests."""
+    if not service_rps > 0 or turns < 1:
+        raise ValueError(f"need a positive service rate and turns >= 1, got {service_rps}, {turns}")
+    return [f * service_rps / turns for f in factors]
+
+
+def mode_order(modes: Sequence[str], repeat: int) -> list[str]:
+    """Repetition ``repeat``'s order: as given for even, reversed for odd ones."""
+    return list(modes) if repeat % 2 == 0 else list(reversed(modes))
+
+
+def outputs_equal(results: Sequence[RequestResult], reference: Sequence[RequestResult]) -> bool:
+    """Same requests, identical ``output_ids``."""
+    ours = {r.request_id: r.output_ids for r in results}
+    return ours == {r.request_id: r.output_ids for r in reference}
+
+
+METRICS = (
+    "throughput_rps",
+    "throughput_tps",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "decode_tokens_per_s",
+    "hit_rate",
+    "wall_s",
+)
+
+
+def aggregate(samples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (rate index, mode) from per-run samples.
+
+    A sample holds ``repeat``, ``rate_index``, ``rate``, ``mode``, ``outputs_match`` and
+    the ``METRICS``. A row holds the median of each metric over repetitions,
+    ``rps_vs_off`` / ``tps_vs_off`` (median over repetitions of the ratio to off's run in
+    the same repetition and rate; None without one), ``repeats`` and ``outputs_match``
+    (all runs). Rows are ordered by rate, then ``LOAD_MODES`` order."""
+    groups: dict[tuple[int, str], list[Mapping[str, Any]]] = {}
+    off: dict[tuple[int, int], Mapping[str, Any]] = {}
+    for s in samples:
+        groups.setdefault((s["rate_index"], s["mode"]), []).append(s)
+        if s["mode"] == "off":
+            off[(s["rate_index"], s["repeat"])] = s
+    rows = []
+    rank = {m: i for i, m in enumerate(LOAD_MODES)}
+    for (ri, mode), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], rank[kv[0][1]])):
+        row: dict[str, Any] = {
+            "rate": runs[0]["rate"],
+            "rate_index": ri,
+            "mode": mode,
+            "label": LABELS[mode],
+            "repeats": len(runs),
+            "outputs_match": all(r["outputs_match"] for r in runs),
+        }
+        for key in METRICS:
+            row[key] = statistics.median(r[key] for r in runs)
+        for key, metric in (("rps_vs_off", "throughput_rps"), ("tps_vs_off", "throughput_tps")):
+            ratios = [
+                r[metric] / base[metric]
+                for r in runs
+                if (base := off.get((ri, r["repeat"]))) is not None and base[metric] > 0
+            ]
+            row[key] = statistics.median(ratios) if ratios else None
+        rows.append(row)
+    return rows
+
+
+def acceptance(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The done-when checks at the saturating (highest) rate: every cached mode's
+    throughput above off's, and L1+L2 at least ``TARGET_RATIO`` x off's."""
+    if not rows:
+        return {}
+    top = max(r["rate_index"] for r in rows)
+    at_top = {r["mode"]: r for r in rows if r["rate_index"] == top}
+    out: dict[str, Any] = {"saturating_rate": at_top[next(iter(at_top))]["rate"]}
+    cached = [m for m in at_top if m != "off" and at_top[m]["rps_vs_off"] is not None]
+    out["cached_above_off"] = bool(cached) and all(at_top[m]["rps_vs_off"] > 1 for m in cached)
+    if "host" in at_top and at_top["host"]["rps_vs_off"] is not None:
+        out["host_rps_vs_off"] = at_top["host"]["rps_vs_off"]
+        out["host_at_least_2x_off"] = at_top["host"]["rps_vs_off"] >= TARGET_RATIO
+    out["outputs_match"] = all(r["outputs_match"] for r in rows)
+    return out
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1e3:.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+LOAD_COLUMNS = (
+    Column("rate", "sessions/s", "{:.3f}"),
+    Column("label", "mode", align="left"),
+    Column("throughput_rps", "req/s", "{:.3f}"),
+    Column("rps_vs_off", "req/s vs off", _ratio),
+    Column("throughput_tps", "tokens/s", "{:.0f}"),
+    Column("ttft_p50_s", "TTFT p50 ms", _ms),
+    Column("ttft_p99_s", "TTFT p99 ms", _ms),
+    Column("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
+    Column("hit_rate", "hit rate", "{:.1%}"),
+    Column("outputs_match", "outputs = off", lambda v: "yes" if v else "NO"),
+)
+
+HIT_COLUMNS = (
+    Column("cached_tokens", "cached tokens"),
+    Column("hit_cached", "served from L1"),
+    Column("hit_ttft_s", "hit TTFT ms", lambda v: f"{v * 1e3:.1f}"),
+    Column("cold_ttft_s", "cold TTFT ms", lambda v: f"{v * 1e3:.1f}"),
+    Column("hit_vs_cold", "hit / cold", "{:.3f}"),
+    Column("outputs_match", "hit output = cold", lambda v: "yes" if v else "NO"),
+)
+
+
+def render_load_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The per-rate, per-mode Markdown table."""
+    return bench_common.markdown_table(list(rows), LOAD_COLUMNS)
+
+
+def render_hit_table(hits: Sequence[Mapping[str, Any]]) -> str:
+    """TTFT of a full-prefix L1 hit per cached length (Markdown)."""
+    return bench_common.markdown_table(list(hits), HIT_COLUMNS)
+
+
+def write_load_plot(rows: Sequence[Mapping[str, Any]], path: str) -> bool:
+    """Throughput and TTFT p50 against the session rate, one line per mode (PNG);
+    False (and a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            f"--plot {path}: matplotlib is not installed (pip install -e '.[plot]'); "
+            "skipping the plot",
+            file=sys.stderr,
+        )
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in LOAD_MODES:
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["rate"])
+        if not mine:
+            continue
+        rates = [r["rate"] for r in mine]
+        left.plot(rates, [r["throughput_rps"] for r in mine], marker="o", label=LABELS[mode])
+        right.plot(rates, [1e3 * r["ttft_p50_s"] for r in mine], marker="o", label=LABELS[mode])
+    for ax, ylabel in ((left, "throughput (requests/s)"), (right, "TTFT p50 (ms)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("session rate (sessions/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    right.set_yscale("log")
+    fig.suptitle("Serving under load by cache mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# -- running (collective) --------------------------------------------------------------------
+
+
+def _agreed_root(parent: str | None) -> str:
+    box: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        base = parent or tempfile.gettempdir()
+        os.makedirs(base, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix="bench_load_l3_", dir=base)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
+def _new_cache(
+    args: argparse.Namespace,
+    topology: MeshTopology,
+    model: HybridModel,
+    mode: str,
+    root: str,
+    device_pages: int,
+    host_pages: int = 0,
+) -> HiCache | None:
+    if mode == "off":
+        return None
+    flags = {
+        "--cache": MODE_TO_CACHE[mode],
+        "--storage": "file",
+        "--storage-root": root,
+        "--device-pages": device_pages,
+        "--host-pages": host_pages or args.host_pages,
+        "--write-policy": args.write_policy,
+        "--prefetch-policy": args.prefetch_policy,
+        "--prefetch-threshold": args.prefetch_threshold,
+        "--cp-kv": args.cp_kv,
+    }
+    parsed = serve_parser().parse_args([str(x) for kv in flags.items() for x in kv])
+    cfg = cache_config(parsed)
+    assert cfg is not None
+    if cfg.enable_host:
+        slots = max(1, (host_pages or args.host_pages) // 4)
+        cfg = dataclasses.replace(cfg, host_mamba_slots=slots)
+    return HiCache(topology, model.config.state_spec(args.page_size), cfg)
+
+
+def _scheduler_config(args: argparse.Namespace, realtime: bool) -> Any:
+    from runtime.scheduler import SchedulerConfig
+
+    return SchedulerConfig(
+        max_running=args.concurrency, token_budget=args.token_budget, realtime=realtime
+    )
+
+
+def load_pages(args: argparse.Namespace, trace: Sequence[Turn]) -> tuple[int, int]:
+    """(L1, L2) pages for the load runs. L1: ``--device-pages``, raised to hold
+    ``--concurrency`` + 1 of the longest session's final history (the running batch and
+    a little cache), less than the working set when there are more sessions than that;
+    L2: ``--host-pages``, raised to twice the working set (every session's history), so
+    L1+L2 can keep all of it."""
+    ps = args.page_size
+    per_session: dict[int, int] = {}
+    for t in trace:
+        tokens = len(t.user_tokens) + args.max_new_tokens
+        per_session[t.session] = per_session.get(t.session, 0) + tokens
+    pages = [-(-n // ps) + 1 for n in per_session.values()]
+    device = max(args.device_pages, (args.concurrency + 1) * max(pages))
+    return device, max(args.host_pages, 2 * sum(pages))
+
+
+def hit_ttft(
+    args: argparse.Namespace, topology: MeshTopology, model: HybridModel, lengths: Sequence[int]
+) -> list[dict[str, Any]]:
+    """TTFT of a full-prefix L1 hit of N cached tokens, for each N in ``lengths``.
+    Collective (every rank serves the same prompts)."""
+    ps = args.page_size
+    rng = random.Random(args.seed + 17)
+    out = []
+    for n in lengths:
+        n = -(-n // ps) * ps  # whole pages: all of it can be cached
+        pages = 2 * (-(-(n + 1 + args.max_new_tokens) // ps)) + 8
+        cache = _new_cache(args, topology, model, "device", "", pages)
+        engine = Engine(model, cache, max_new_tokens=args.max_new_tokens)
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(n + 1)]
+        cold = engine.serve(prompt)
+        hits = [engine.serve(prompt) for _ in range(args.hit_repeats)]
+        assert cache is not None
+        cache.close()
+        out.append(
+            {
+                "cached_tokens": n,
+                "cold_ttft_s": cold.ttft_s,
+                "hit_ttft_s": statistics.median(h.ttft_s for h in hits),
+                "hit_ttft_all_s": [h.ttft_s for h in hits],
+                "hit_cached": min(h.cached_device for h in hits),
+                "hit_vs_cold": statistics.median(h.ttft_s for h in hits) / cold.ttft_s,
+                "outputs_match": all(h.output_ids == cold.output_ids for h in hits),
+            }
+        )
+    return out
+
+
+def run_load(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
+    """Service rate, the load runs and the hit probe; the shared result format.
+    Collective."""
+    modes = parse_load_modes(args.load_modes)
+    model = build_model(args, topology)
+    plain = workload(args, model.config.vocab_size)
+    leader = topology.coords == (0, 0, 0)
+    say = print if leader and not args.quiet else (lambda *a, **k: None)
+    # Warm-up (first-call costs), then the sequential cache-off reference.
+    warm = Engine(model, None, max_new_tokens=args.max_new_tokens)
+    warm.serve(list(plain[0].user_tokens))
+    reference, seq_wall, _ = serve_trace(Engine(model, None, args.max_new_tokens), plain)
+    service_rps = len(plain) / seq_wall
+    say(f"[service] sequential cache-off: {service_rps:.3f} requests/s ({seq_wall:.1f} s)")
+    rates = parse_numbers(args.rates, "--rates") or choose_rates(
+        service_rps, args.turns, parse_numbers(args.rate_factors, "--rate-factors")
+    )
+    think = args.think_s if args.think_s is not None else 1.0 / service_rps
+    timed = [with_arrivals(plain, r, seed=args.seed, think_s=think) for r in rates]
+    pages, host_pages = load_pages(args, plain)
+    samples: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for rep in range(args.repeats):
+        for ri, rate in enumerate(rates):
+            for mode in mode_order(modes, rep):
+                root = _agreed_root(args.storage_root) if mode == "storage" else ""
+                try:
+                    cache = _new_cache(args, topology, model, mode, root, pages, host_pages)
+                    engine = Engine(model, cache, max_new_tokens=args.max_new_tokens)
+                    results, wall, _ = serve_trace(
+                        engine, timed[ri], None, _scheduler_config(args, True)
+                    )
+                finally:
+                    if topology.num_ranks > 1:
+                        dist.barrier()
+                    if root and leader:
+                        shutil.rmtree(root, ignore_errors=True)
+                s = summarize(results, wall)
+                sample = {k: s[k] for k in METRICS}
+                sample.update(
+                    repeat=rep,
+                    rate_index=ri,
+                    rate=rate,
+                    mode=mode,
+                    outputs_match=outputs_equal(results, reference),
+                )
+                samples.append(sample)
+                say(
+                    f"[rep {rep} rate {rate:.3f}/s {LABELS[mode]}] {s['throughput_rps']:.3f} "
+                    f"req/s, TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms, wall {wall:.1f} s",
+                    flush=True,
+                )
+    load_s = time.perf_counter() - t_start
+    lengths = parse_numbers(args.hit_lengths, "--hit-lengths", int)
+    hits = hit_ttft(args, topology, model, lengths) if lengths else []
+    rows = aggregate(samples)
+    results_out = {
+        "service_rps": service_rps,
+        "sequential_wall_s": seq_wall,
+        "rates": rates,
+        "think_s": think,
+        "device_pages": pages,
+        "host_pages": host_pages,
+        "rows": rows,
+        "samples": samples,
+        "acceptance": acceptance(rows),
+        "hit_ttft": hits,
+        "load_runs_s": load_s,
+        "load_average": list(os.getloadavg()),
+        "mesh": list(topology.shape),
+    }
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "quiet")}
+    return bench_common.make_result("serving-load", config, results_out)
+
+
+def report_load(out: Mapping[str, Any]) -> str:
+    """The tables and acceptance lines, as printed."""
+    res = out["results"]
+    lines = [
+        f"sequential cache-off service rate {res['service_rps']:.3f} requests/s; session "
+        f"rates {', '.join(f'{r:.3f}' for r in res['rates'])}/s; think {res['think_s']:.2f} s; "
+        f"L1 {res['device_pages']} pages, L2 {res['host_pages']} pages",
+        "",
+        render_load_table(res["rows"]),
+        "",
+    ]
+    if res["hit_ttft"]:
+        lines += [render_hit_table(res["hit_ttft"]), ""]
+    for key, value in res["acceptance"].items():
+        lines.append(f"{key}: {f'{value:.3f}' if isinstance(value, float) else value}")
+    return "\n".join(lines)
