@@ -26,6 +26,7 @@ so the correction of an output is ``S_in^T P_t^T q_t``. Exact by linearity; rank
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -35,7 +36,7 @@ from torch import Tensor
 from mesh_hicache.layout import ssm_group_range, tp_split
 from runtime.model.config import ModelConfig
 from runtime.model.parallel import AxisComm
-from runtime.model.ssm import advance_window, causal_conv
+from runtime.model.ssm import advance_window, causal_conv, conv_step
 from runtime.model.state import SeqState
 from runtime.model.weights import WeightSource
 
@@ -251,3 +252,33 @@ class GatedDeltaNet:
         y = self.norm_w * normed.to(x.dtype)
         y = y.float() * F.silu(z.float().view(t, hl, dv))
         return tp.all_reduce(F.linear(y.reshape(t, hl * dv).to(x.dtype), self.w_out))
+
+    def decode(self, x: Tensor, states: Sequence[SeqState], tp: AxisComm) -> Tensor:
+        """One token per state, ``x`` ``[B, D]``: projections in one GEMM each, the conv and
+        the delta-rule step stacked over the batch. Replaces every
+        ``state.conv/ssm[layer_id]``; no cp exchange (every cp rank runs the same tokens)."""
+        lid, n = self.layer_id, x.shape[0]
+        hl, gs, dv, dk = self.heads, self.groups, self.dv, self.dk
+        z, mixed, b, a = F.linear(x, self.w_in).split(self.sizes, dim=-1)
+        conv, after = conv_step(mixed, [s.conv[lid] for s in states], self.conv_w, self.conv_b)
+        v, k, q = conv.float().view(n, gs, -1).split([hl // gs * dv, dk, dk], dim=-1)
+        v = v.reshape(n, hl, dv)
+        k = l2norm(k).repeat_interleave(hl // gs, dim=1)
+        q = l2norm(q).repeat_interleave(hl // gs, dim=1) * dk**-0.5
+        beta = torch.sigmoid(b.float())  # [B, H]
+        g = -torch.exp(self.a_log) * F.softplus(a.float() + self.dt_bias)
+        # The step of naive_delta, for the batch: cached [H, Dv, Dk] -> [B, H, Dk, Dv].
+        state = torch.stack([s.ssm[lid] for s in states]).transpose(2, 3)
+        state = torch.exp(g)[..., None, None] * state
+        predicted = torch.einsum("bhkv,bhk->bhv", state, k)
+        delta = beta[..., None] * (v - predicted)
+        state = state + k[..., None] * delta[:, :, None, :]
+        out = torch.einsum("bhkv,bhk->bhv", state, q)
+        cached = state.transpose(2, 3).contiguous()
+        for i, s in enumerate(states):
+            s.conv[lid], s.ssm[lid] = after[i], cached[i]
+        out = out.to(x.dtype).float()
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.norm_w * normed.to(x.dtype)
+        y = y.float() * F.silu(z.float().view(n, hl, dv))
+        return tp.all_reduce(F.linear(y.reshape(n, hl * dv).to(x.dtype), self.w_out))

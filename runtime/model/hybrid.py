@@ -3,8 +3,9 @@
 Every rank builds the layers of its pp stage from a :class:`WeightSource` (seeded random
 weights for the presets, a checkpoint's tensors for real models), reading only its tp
 shard, and runs the same code; communication is only through the tp / cp / pp groups of
-the ``MeshTopology``. The paged cache is not the model's business: the caller hands in a
-contiguous :class:`SeqState` and keeps what the model appends to it.
+the ``MeshTopology``. A :class:`SeqState` is contiguous (``new_state``: the model appends
+to the state's own tensors) or paged (``paged_state``: attention reads and writes the L1
+pool pages of the request's page table; the caller allocates the pages).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from runtime.model.gdn import GatedDeltaNet
 from runtime.model.layers import Attention, Mamba2, RMSNorm
 from runtime.model.mla import MLAttention
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
-from runtime.model.state import SeqState
+from runtime.model.state import PageTable, SeqState
 from runtime.model.weights import SeededWeights, WeightSource
 
 
@@ -103,14 +104,15 @@ class Layer:
                 h = self._add(h, op(x, comms.tp))  # type: ignore[operator]
         return h
 
-    def decode(self, h: Tensor, state: SeqState, comms: MeshComms) -> Tensor:
+    def decode(self, h: Tensor, states: Sequence[SeqState], comms: MeshComms) -> Tensor:
+        # h [B, D]: one token per state; every op runs the batch (one tp reduce each).
         for norm, op in self.blocks:
             x = norm(h)
             if isinstance(op, (Attention, MLAttention)):
-                h = self._add(h, op.decode(x, state, comms.cp, comms.tp))
+                h = self._add(h, op.decode(x, states, comms.cp, comms.tp))
             elif isinstance(op, (Mamba2, GatedDeltaNet)):
-                # Every cp rank runs the same token: the SSM needs no cp exchange.
-                h = self._add(h, op.forward(x, [(0, 1)], state, AxisComm.solo(), comms.tp))
+                # Every cp rank runs the same tokens: the recurrence needs no cp exchange.
+                h = self._add(h, op.decode(x, states, comms.tp))
             else:
                 h = self._add(h, op(x, comms.tp))  # type: ignore[operator]
         return h
@@ -214,10 +216,45 @@ class HybridModel:
         self, pools: DevicePools, pages: list[int], num_tokens: int = 0, *, slot: int | None = None
     ) -> SeqState:
         """A paged state (``SeqState.pages``) whose first ``num_tokens`` tokens are already in
-        ``pages`` of ``pools``; ``slot``: the device Mamba slot holding the recurrent state
-        after exactly ``num_tokens`` tokens (copied in; required iff the model has recurrent
-        layers and ``num_tokens > 0``, ``ValueError`` otherwise)."""
-        raise NotImplementedError("paged attention is not in yet (issue 14, helper M)")
+        ``pages`` of ``pools`` (this rank's rows: see :class:`SeqState`); attention reads and
+        writes the pages directly. ``pages`` must cover every token the model will write.
+        ``slot``: the device Mamba slot holding the recurrent state after exactly
+        ``num_tokens`` tokens, copied into ``conv``/``ssm`` (fixed size); required iff the
+        model has recurrent layers and ``num_tokens > 0`` (``ValueError`` otherwise).
+        """
+        if not isinstance(pools, DevicePools):
+            raise TypeError(f"pools must be DevicePools, got {type(pools).__name__}")
+        pages = [int(p) for p in pages]
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= len(pages) * self.page_size:
+            raise ValueError(
+                f"num_tokens={num_tokens!r} must be in [0, {len(pages)} pages * {self.page_size}]"
+            )
+        if any(not 0 <= p < pools.num_pages for p in pages):
+            raise ValueError(f"page ids must be in range({pools.num_pages}), got {pages}")
+        recurrent = bool(self.config.ssm_layers)
+        if (slot is not None) != (recurrent and num_tokens > 0):
+            need = "needs" if recurrent and num_tokens > 0 else "takes no"
+            raise ValueError(
+                f"slot={slot!r}: a state of {num_tokens} tokens of this model {need} Mamba slot"
+            )
+        if slot is not None and not 0 <= slot < pools.num_slots:
+            raise ValueError(f"slot={slot} must be in range({pools.num_slots})")
+        layout, mine = pools.layout, self.layout
+        if layout.page_size_local != mine.page_size_local:
+            raise ValueError(
+                f"the pools hold {layout.page_size_local} tokens of a page per rank, this "
+                f"model {mine.page_size_local} (page size or cp_kv differ)"
+            )
+        state = self.new_state()
+        for rows in (state.k, state.v, state.latent, state.index_k):
+            rows.clear()
+        state.pages = PageTable(pools, pages)
+        state.num_tokens = num_tokens
+        if slot is not None:
+            for lid, conv in state.conv.items():
+                state.conv[lid] = pools.conv(lid)[slot].to(conv.dtype).clone()
+                state.ssm[lid] = pools.ssm(lid)[slot].to(torch.float32).clone()
+        return state
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -256,33 +293,38 @@ class HybridModel:
         """Process one token at position ``state.num_tokens`` (the same on every cp rank).
 
         Appends to ``state`` and advances ``num_tokens`` by 1. Returns float32 ``[vocab]``
-        logits, identical on every rank.
+        logits, identical on every rank: ``decode_batch([token], [state])[0]``.
         """
-        tokens = self._check_tokens(torch.tensor([int(token)]))
-        h = self._stage_input(tokens)
-        for block in self.blocks:
-            h = block.decode(h, state, self.comms)
-        logits = self._logits_buffer(None)
-        if self.is_last_stage:
-            logits = self._logits(h)[0]
-        else:
-            self._send_next(h)
-        state.num_tokens += 1
-        return self.comms.pp.broadcast(logits, src=self.comms.pp.size - 1)
+        return self.decode_batch([token], [state])[0]
 
     def decode_batch(self, tokens: Sequence[int], states: Sequence[SeqState]) -> Tensor:
         """One token per state (``tokens[i]`` at position ``states[i].num_tokens``).
 
         Collective: every rank passes the same B >= 1 states in the same order (paged and
-        contiguous may mix). Advances each ``num_tokens`` by 1. Returns float32 logits
-        ``[B, vocab]``, identical on every rank; ``decode(t, s)`` equals
-        ``decode_batch([t], [s])[0]``. ``ValueError`` for B == 0 or a length mismatch.
+        contiguous may mix, each at its own length). The B rows go through every GEMM
+        together (one tp reduce per block, one cp merge per attention layer, one pp send
+        per stage, for the batch); attention runs per sequence over its own keys. Advances
+        each ``num_tokens`` by 1. Returns float32 logits ``[B, vocab]``, identical on every
+        rank. ``ValueError`` for B == 0, a length mismatch or a state passed twice.
         """
         if len(tokens) != len(states):
             raise ValueError(f"{len(tokens)} tokens for {len(states)} states")
         if not tokens:
             raise ValueError("decode_batch needs at least one (token, state)")
-        return torch.stack([self.decode(t, s) for t, s in zip(tokens, states, strict=True)])
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("decode_batch got the same state twice")
+        ids = self._check_tokens(torch.tensor([int(t) for t in tokens], dtype=torch.long))
+        h = self._stage_input(ids)
+        for block in self.blocks:
+            h = block.decode(h, states, self.comms)
+        logits = self._logits_buffer(len(states))
+        if self.is_last_stage:
+            logits = self._logits(h)
+        else:
+            self._send_next(h)
+        for state in states:
+            state.num_tokens += 1
+        return self.comms.pp.broadcast(logits, src=self.comms.pp.size - 1)
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -13,21 +13,24 @@ head dim, ``N`` state size, ``K`` conv kernel.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from mesh_hicache.layout import kv_head_range, ssm_group_range, tp_split
 from runtime.model.config import ModelConfig
-from runtime.model.parallel import AxisComm, kv_shard_owner, kv_shard_positions
+from runtime.model.parallel import AxisComm, kv_shard_positions
 from runtime.model.ssm import (
     advance_window,
     causal_conv,
     chunked_scan,
     combine_chunk_states,
+    conv_step,
     prefix_correction,
 )
-from runtime.model.state import SeqState
+from runtime.model.state import AttentionRows, SeqState
 from runtime.model.weights import WeightSource
 
 
@@ -163,6 +166,7 @@ class Attention:
         self.scale = c.attn_scale or e**-0.5
         self.cp_kv = cp_kv
         self.page_size = page_size
+        self.rows = AttentionRows(page_size, cp_kv)
         q0, q1 = tp_split(c.num_heads, tp.size, tp.rank)
         k0, k1 = kv_head_range(c.num_heads, c.num_kv_heads, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
@@ -192,63 +196,58 @@ class Attention:
         """Attend this rank's chunk ``x`` ``[T, D]`` (bounds[cp.rank] of the new tokens).
 
         All-gathers the new K/V over cp; under ``shard`` also the cached prefix's shards.
-        Appends to ``state.k/v[layer_id]`` the tokens this rank keeps.
+        Stores the new tokens' K/V this rank keeps (``self.rows``: contiguous or paged).
         """
-        lid, prefix_len = self.layer_id, state.num_tokens
+        lid, prefix_len, rows = self.layer_id, state.num_tokens, self.rows
         start, end = bounds[cp.rank]
         positions = torch.arange(prefix_len + start, prefix_len + end, device=x.device)
         q, k, v = self._qkv(x, positions)
         lengths = [e - s for s, e in bounds]
         k_new = torch.cat(cp.all_gather_ragged(k, lengths))
         v_new = torch.cat(cp.all_gather_ragged(v, lengths))
-        k_old, v_old = state.k[lid], state.v[lid]
-        if self.cp_kv == "shard":
-            k_old = self._unshard(k_old, prefix_len, cp)
-            v_old = self._unshard(v_old, prefix_len, cp)
-        k_all, v_all = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
+        k_all = rows.extend(state, "k", lid, k_new, prefix_len, cp)
+        v_all = rows.extend(state, "v", lid, v_new, prefix_len, cp)
         if q.shape[0]:
             out = attend_causal(q, k_all, v_all, prefix_len + start, self.scale)
         else:
             out = q.float()
-        if self.cp_kv == "shard":
-            new_pos = torch.arange(prefix_len, prefix_len + k_new.shape[0], device=x.device)
-            mine = kv_shard_owner(new_pos, self.page_size, cp.size) == cp.rank
-            state.k[lid] = torch.cat([state.k[lid], k_new[mine]])
-            state.v[lid] = torch.cat([state.v[lid], v_new[mine]])
-        else:
-            state.k[lid], state.v[lid] = k_all, v_all
         return self._project(out, x.dtype, tp)
 
-    def _unshard(self, local: Tensor, num_tokens: int, cp: AxisComm) -> Tensor:
-        # Rebuild the prefix's K or V in position order from every cp rank's shard.
-        owned = [kv_shard_positions(num_tokens, self.page_size, cp.size, r) for r in range(cp.size)]
-        parts = cp.all_gather_ragged(local, [len(p) for p in owned])
-        full = local.new_empty((num_tokens, *local.shape[1:]))
-        for positions, part in zip(owned, parts, strict=True):
-            full[positions.to(full.device)] = part
-        return full
+    def decode(self, x: Tensor, states: Sequence[SeqState], cp: AxisComm, tp: AxisComm) -> Tensor:
+        """One token per state, ``x`` ``[B, D]`` (row i at ``states[i].num_tokens``), the same
+        on every cp rank; one GEMM per projection for the batch, attention per sequence.
 
-    def decode(self, x: Tensor, state: SeqState, cp: AxisComm, tp: AxisComm) -> Tensor:
-        """One token ``x`` ``[1, D]`` at position ``state.num_tokens``, the same on every cp rank.
-
-        ``replicate``: every rank appends and attends over all keys. ``shard``: only the
-        owner appends; each rank attends over its keys and the partials are merged over cp
-        by log-sum-exp.
+        ``replicate``: every rank stores and attends over all keys. ``shard``: only the
+        owner stores; each rank attends over its keys and the partials of the whole batch
+        are merged over cp by log-sum-exp (one gather).
         """
-        lid, pos = self.layer_id, state.num_tokens
-        positions = torch.tensor([pos], device=x.device)
+        lid, rows = self.layer_id, self.rows
+        positions = torch.tensor([s.num_tokens for s in states], device=x.device)
         q, k, v = self._qkv(x, positions)
-        if self.cp_kv == "shard" and cp.size > 1:  # with one cp rank, shard = replicate
-            if int(kv_shard_owner(positions, self.page_size, cp.size)) == cp.rank:
-                state.k[lid] = torch.cat([state.k[lid], k])
-                state.v[lid] = torch.cat([state.v[lid], v])
-            k_pos = kv_shard_positions(pos + 1, self.page_size, cp.size, cp.rank).to(x.device)
-            part = attend(q, positions, state.k[lid], state.v[lid], k_pos, self.scale)
-            out = merge_partials(cp.all_gather(part.out), cp.all_gather(part.lse))
+        if rows.sharded(cp):
+            parts = []
+            for i, state in enumerate(states):
+                pos = state.num_tokens
+                rows.append(state, "k", lid, k[i : i + 1], pos, cp)
+                rows.append(state, "v", lid, v[i : i + 1], pos, cp)
+                keys = rows.read(state, "k", lid, pos + 1, cp)
+                values = rows.read(state, "v", lid, pos + 1, cp)
+                k_pos = kv_shard_positions(pos + 1, self.page_size, cp.size, cp.rank)
+                part = attend(
+                    q[i : i + 1], positions[i : i + 1], keys, values, k_pos.to(x.device), self.scale
+                )
+                parts.append(torch.cat([part.out, part.lse[..., None]], dim=-1))
+            # [cp, B, H, E + 1]: every sequence's (out, lse) in one gather.
+            gathered = cp.all_gather(torch.cat(parts))
+            out = merge_partials(gathered[..., :-1], gathered[..., -1])
         else:
-            state.k[lid] = torch.cat([state.k[lid], k])
-            state.v[lid] = torch.cat([state.v[lid], v])
-            out = attend_causal(q, state.k[lid], state.v[lid], pos, self.scale)
+            outs = []
+            for i, state in enumerate(states):
+                pos = state.num_tokens
+                keys = rows.extend(state, "k", lid, k[i : i + 1], pos, cp)
+                values = rows.extend(state, "v", lid, v[i : i + 1], pos, cp)
+                outs.append(attend_causal(q[i : i + 1], keys, values, pos, self.scale))
+            out = torch.cat(outs)
         return self._project(out, x.dtype, tp)
 
 
@@ -363,6 +362,35 @@ class Mamba2:
         state.conv[lid] = after.T.contiguous()
         state.ssm[lid] = final_state
         return tp.all_reduce(F.linear(y.reshape(t, s * p).to(x.dtype), self.w_out))
+
+    def decode(self, x: Tensor, states: Sequence[SeqState], tp: AxisComm) -> Tensor:
+        """One token per state, ``x`` ``[B, D]``: the batch's projections in one GEMM each,
+        the conv and the recurrent step stacked over the batch (each state's own window
+        and SSM state). Replaces every ``state.conv/ssm[layer_id]``. Every cp rank runs
+        the same tokens: no cp exchange."""
+        lid, b = self.layer_id, x.shape[0]
+        s, p, n, gs = self.heads, self.head_dim, self.state_dim, self.groups
+        z, xbc, dt_raw = F.linear(x, self.w_in).split(self.sizes, dim=-1)
+        conv, after = conv_step(
+            xbc, [state.conv[lid] for state in states], self.conv_w, self.conv_b
+        )
+        conv = conv.float().view(b, gs, self.sizes[1] // gs)
+        xs, B, C = conv.split([s // gs * p, n, n], dim=-1)
+        xs = xs.reshape(b, s, p)
+        dt = F.softplus(dt_raw.float() + self.dt_bias).clamp(self.dt_min, self.dt_max)  # [B, S]
+        A = -torch.exp(self.a_log)
+        ssm = torch.stack([state.ssm[lid] for state in states]).view(b, gs, -1, p, n)
+        decay = torch.exp(dt * A).view(b, gs, -1, 1, 1)
+        inject = (dt[..., None] * xs).view(b, gs, -1, p, 1) * B[:, :, None, None, :]
+        new = decay * ssm + inject
+        y = torch.einsum("bgkpn,bgn->bgkp", new, C).reshape(b, s, p)
+        new = new.view(b, s, p, n)
+        y = y + self.d_skip[:, None] * xs
+        gated = y * F.silu(z.float().view(b, s, p))
+        y = self._gated_norm(gated.reshape(b, gs, s // gs * p), tp)
+        for i, state in enumerate(states):
+            state.conv[lid], state.ssm[lid] = after[i], new[i]
+        return tp.all_reduce(F.linear(y.reshape(b, s * p).to(x.dtype), self.w_out))
 
     def _step(
         self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm: Tensor

@@ -29,6 +29,8 @@ indexer heads / head dim.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -36,8 +38,8 @@ from torch import Tensor
 from mesh_hicache.layout import tp_split
 from runtime.model.config import ModelConfig
 from runtime.model.layers import rms_norm
-from runtime.model.parallel import AxisComm, kv_shard_owner, kv_shard_positions
-from runtime.model.state import SeqState
+from runtime.model.parallel import AxisComm
+from runtime.model.state import AttentionRows, SeqState
 from runtime.model.weights import WeightSource
 
 LORA_NORM_EPS = 1e-6
@@ -95,6 +97,7 @@ class MLAttention:
         c = config
         self.layer_id = layer_id
         self.cp_kv, self.page_size = cp_kv, page_size
+        self.rows = AttentionRows(page_size, cp_kv)
         r = c.qk_rope_head_dim
         default = 1.0 / c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r)
         self.inv_freq = torch.tensor(c.rope_inv_freq) if c.rope_inv_freq else default
@@ -175,7 +178,7 @@ class MLAttention:
 
     def _attend(self, q: Tensor, latent: Tensor, allowed: Tensor, dtype: torch.dtype) -> Tensor:
         """Softmax attention of ``q`` over the ``allowed`` keys of ``latent``; returns this
-        rank's partial output projection ``[T, D]`` (before the tp reduce).
+        rank's heads' outputs ``[T, H*V]`` in ``dtype`` (before the output projection).
 
         Two exact forms, the cheaper one for the shape: *expanded* (``kv_b`` turns every
         key's latent into per-head keys / values: prefill) or *absorbed* (``kv_b`` folds
@@ -203,7 +206,7 @@ class MLAttention:
         scores = scores.masked_fill_(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("htl,lhe->the", probs, values.float())
-        return F.linear(out.flatten(1).to(dtype), self.wo)
+        return out.flatten(1).to(dtype)
 
     def _attend_absorbed(
         self, q: Tensor, latent: Tensor, allowed: Tensor, dtype: torch.dtype
@@ -220,7 +223,7 @@ class MLAttention:
         scores = scores.mul_(self.scale).masked_fill_(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("thc,hvc->thv", torch.einsum("htl,lc->thc", probs, lat), w[:, nope:])
-        return F.linear(out.flatten(1).to(dtype), self.wo)
+        return out.flatten(1).to(dtype)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -230,60 +233,38 @@ class MLAttention:
         """Attend this rank's chunk ``x`` ``[T, D]`` (bounds[cp.rank] of the new tokens).
 
         All-gathers the new latents and indexer keys over cp (under ``shard`` also the
-        cached prefix's shards); appends to ``state.latent/index_k[layer_id]`` the tokens
-        this rank keeps.
+        cached prefix's shards); stores the new tokens' rows this rank keeps
+        (``self.rows``: contiguous or paged).
         """
-        lid, prefix_len = self.layer_id, state.num_tokens
+        lid, prefix_len, rows = self.layer_id, state.num_tokens, self.rows
         start, end = bounds[cp.rank]
         positions = torch.arange(prefix_len + start, prefix_len + end, device=x.device)
         q, q_idx, w_idx, latent, k_idx = self._project_in(x, positions)
         lengths = [e - s for s, e in bounds]
         latent_new = torch.cat(cp.all_gather_ragged(latent, lengths))
         k_idx_new = torch.cat(cp.all_gather_ragged(k_idx, lengths))
-        latent_all = torch.cat([self._full(state.latent[lid], prefix_len, cp), latent_new])
-        k_idx_all = torch.cat([self._full(state.index_k[lid], prefix_len, cp), k_idx_new])
+        latent_all = rows.extend(state, "latent", lid, latent_new, prefix_len, cp)
+        k_idx_all = rows.extend(state, "index_k", lid, k_idx_new, prefix_len, cp)
         if q.shape[0]:
             allowed = self._select(q_idx, w_idx, k_idx_all, positions)
-            out = self._attend(q, latent_all, allowed, x.dtype)
+            out = F.linear(self._attend(q, latent_all, allowed, x.dtype), self.wo)
         else:
             out = x.new_zeros(0, self.wo.shape[0])
-        if self.cp_kv == "shard" and cp.size > 1:
-            new_pos = torch.arange(prefix_len, prefix_len + latent_new.shape[0], device=x.device)
-            mine = kv_shard_owner(new_pos, self.page_size, cp.size) == cp.rank
-            state.latent[lid] = torch.cat([state.latent[lid], latent_new[mine]])
-            state.index_k[lid] = torch.cat([state.index_k[lid], k_idx_new[mine]])
-        else:
-            state.latent[lid], state.index_k[lid] = latent_all, k_idx_all
         return tp.all_reduce(out)
 
-    def decode(self, x: Tensor, state: SeqState, cp: AxisComm, tp: AxisComm) -> Tensor:
-        """One token ``x`` ``[1, D]`` at position ``state.num_tokens``, the same on every cp
-        rank. Under ``shard`` the prefix is all-gathered (top-k needs every indexer key) and
-        only the token's owner appends it."""
-        lid, pos = self.layer_id, state.num_tokens
-        positions = torch.tensor([pos], device=x.device)
+    def decode(self, x: Tensor, states: Sequence[SeqState], cp: AxisComm, tp: AxisComm) -> Tensor:
+        """One token per state, ``x`` ``[B, D]`` (row i at ``states[i].num_tokens``), the same
+        on every cp rank: projections batched, top-k and attention per sequence. Under
+        ``shard`` each prefix is all-gathered (top-k needs every indexer key) and only the
+        token's owner stores it."""
+        lid, rows = self.layer_id, self.rows
+        positions = torch.tensor([s.num_tokens for s in states], device=x.device)
         q, q_idx, w_idx, latent, k_idx = self._project_in(x, positions)
-        latent_all = torch.cat([self._full(state.latent[lid], pos, cp), latent])
-        k_idx_all = torch.cat([self._full(state.index_k[lid], pos, cp), k_idx])
-        allowed = self._select(q_idx, w_idx, k_idx_all, positions)
-        out = self._attend(q, latent_all, allowed, x.dtype)
-        if self.cp_kv == "shard" and cp.size > 1:
-            if int(kv_shard_owner(positions, self.page_size, cp.size)) == cp.rank:
-                state.latent[lid] = torch.cat([state.latent[lid], latent])
-                state.index_k[lid] = torch.cat([state.index_k[lid], k_idx])
-        else:
-            state.latent[lid], state.index_k[lid] = latent_all, k_idx_all
-        return tp.all_reduce(out)
-
-    def _full(self, local: Tensor, num_tokens: int, cp: AxisComm) -> Tensor:
-        """The prefix's ``num_tokens`` rows in position order: ``local`` itself, or under
-        ``shard`` (cp > 1) rebuilt from every cp rank's rows (collective)."""
-        if self.cp_kv != "shard" or cp.size == 1:
-            assert local.shape[0] == num_tokens, (local.shape, num_tokens)
-            return local
-        owned = [kv_shard_positions(num_tokens, self.page_size, cp.size, r) for r in range(cp.size)]
-        parts = cp.all_gather_ragged(local, [len(p) for p in owned])
-        full = local.new_empty((num_tokens, *local.shape[1:]))
-        for positions, part in zip(owned, parts, strict=True):
-            full[positions.to(full.device)] = part
-        return full
+        outs = []
+        for i, state in enumerate(states):
+            pos, one = state.num_tokens, slice(i, i + 1)
+            latent_all = rows.extend(state, "latent", lid, latent[one], pos, cp)
+            k_idx_all = rows.extend(state, "index_k", lid, k_idx[one], pos, cp)
+            allowed = self._select(q_idx[one], w_idx[one], k_idx_all, positions[one])
+            outs.append(self._attend(q[one], latent_all, allowed, x.dtype))
+        return tp.all_reduce(F.linear(torch.cat(outs), self.wo))

@@ -46,6 +46,17 @@ def causal_conv(xbc: Tensor, window: Tensor, weight: Tensor, bias: Tensor) -> Te
     return F.silu(out[0].T)
 
 
+def conv_step(
+    xbc: Tensor, windows: list[Tensor], weight: Tensor, bias: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One token of :func:`causal_conv` for each of B sequences: ``xbc`` ``[B, C]``, each
+    sequence's window ``[C, K-1]`` (the cached conv state's layout). Returns (outputs
+    ``[B, C]``, the windows after the token ``[B, C, K-1]``), in ``xbc.dtype``."""
+    inputs = torch.cat([torch.stack(windows).to(xbc.dtype), xbc[:, :, None]], dim=2)  # [B, C, K]
+    out = F.conv1d(inputs, weight.unsqueeze(1), bias, groups=weight.shape[0])  # [B, C, 1]
+    return F.silu(out[:, :, 0]), inputs[:, :, 1:].contiguous()
+
+
 def advance_window(window: Tensor, xbc: Tensor) -> Tensor:
     """The conv window after ``xbc``: the last K-1 rows of ``cat(window, xbc)`` ``[K-1, C]``.
 

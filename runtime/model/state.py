@@ -6,10 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
+
+from runtime.model.parallel import AxisComm, kv_shard_owner, kv_shard_positions
 
 if TYPE_CHECKING:
     from mesh_hicache.pools.device import DevicePools
+
+ROW_FIELDS = ("k", "v", "latent", "index_k")
+"""The per-token attention fields of a :class:`SeqState` (contiguous) / pool (paged)."""
 
 
 @dataclass(slots=True)
@@ -80,3 +86,121 @@ class SeqState:
             latent={i: t.clone() for i, t in self.latent.items()},
             index_k={i: t.clone() for i, t in self.index_k.items()},
         )
+
+
+class AttentionRows:
+    """Where an attention layer's per-token rows live: the one place that knows paging.
+
+    Every attention kind stores its per-token tensors (``field`` in :data:`ROW_FIELDS`)
+    through this: contiguous in ``state.<field>[layer]`` or paged in the pool page of each
+    token (``k``/``v``: ``pools.k/v(layer)`` ``[P, T, G, E]``; ``latent``: ``pools.k(layer)``
+    with its one head-less "head"; ``index_k``: ``pools.indexer(layer)``), T = this rank's
+    in-page rows (``page_size / cp`` under ``cp_kv="shard"``, cp rank c keeping the in-page
+    offsets ``[c*T, (c+1)*T)``). Which tokens a rank keeps: all under ``replicate`` (or
+    cp = 1); its ``kv_shard_positions`` under ``shard``.
+    """
+
+    __slots__ = ("page_size", "cp_kv")
+
+    def __init__(self, page_size: int, cp_kv: str) -> None:
+        self.page_size = page_size
+        self.cp_kv = cp_kv
+
+    def sharded(self, cp: AxisComm) -> bool:
+        """Whether this rank keeps only its own tokens (``shard`` with cp > 1)."""
+        return self.cp_kv == "shard" and cp.size > 1
+
+    def num_kept(self, num_tokens: int, cp: AxisComm) -> int:
+        """How many of the first ``num_tokens`` tokens this rank keeps."""
+        if not self.sharded(cp):
+            return num_tokens
+        ps, per = self.page_size, self.page_size // cp.size
+        full, rest = divmod(num_tokens, ps)
+        return full * per + min(max(rest - cp.rank * per, 0), per)
+
+    def read(self, state: SeqState, name: str, layer: int, num_tokens: int, cp: AxisComm) -> Tensor:
+        """This rank's rows of the first ``num_tokens`` tokens, in position order
+        ``[n_kept, *row]`` (contiguous: the state's own tensor; paged: gathered from the
+        pages, a transient copy)."""
+        count = self.num_kept(num_tokens, cp)
+        table = state.pages
+        if table is None:
+            rows = getattr(state, name)[layer]
+            assert rows.shape[0] == count, (name, layer, rows.shape, count)
+            return rows
+        pool = _pool(table, name, layer)
+        n_pages = -(-count // pool.shape[1])
+        assert n_pages <= len(table.pages), (num_tokens, len(table.pages))
+        ids = torch.tensor(table.pages[:n_pages], dtype=torch.long, device=pool.device)
+        return pool[ids].flatten(0, 1)[:count]
+
+    def append(
+        self, state: SeqState, name: str, layer: int, rows: Tensor, start: int, cp: AxisComm
+    ) -> None:
+        """Store the rows this rank keeps of ``rows`` ``[m, *row]``, the tokens at positions
+        ``start .. start + m - 1`` (contiguous: appended to the state's tensor, which must
+        hold exactly the tokens before ``start``; paged: written into their page slots)."""
+        positions = torch.arange(start, start + rows.shape[0])
+        if self.sharded(cp):
+            mine = kv_shard_owner(positions, self.page_size, cp.size) == cp.rank
+            rows, positions = rows[mine.to(rows.device)], positions[mine]
+        table = state.pages
+        if table is None:
+            store = getattr(state, name)
+            store[layer] = torch.cat([store[layer], rows])
+            return
+        if not positions.numel():
+            return
+        ps = self.page_size
+        last = int(positions[-1])
+        if last // ps >= len(table.pages):
+            raise ValueError(
+                f"the page table's {len(table.pages)} pages of {ps} tokens do not cover "
+                f"position {last}"
+            )
+        pool = _pool(table, name, layer)
+        offset = cp.rank * pool.shape[1] if self.sharded(cp) else 0
+        page_ids = [table.pages[p] for p in (positions // ps).tolist()]
+        ids = torch.tensor(page_ids, dtype=torch.long, device=pool.device)
+        in_page = (positions % ps - offset).to(pool.device)
+        pool[ids, in_page] = rows.to(pool.dtype)
+
+    def extend(
+        self, state: SeqState, name: str, layer: int, new: Tensor, start: int, cp: AxisComm
+    ) -> Tensor:
+        """Store ``new`` (rows of positions ``start..``, the same on every cp rank) like
+        :meth:`append` and return every row of the first ``start + m`` tokens in position
+        order (under ``shard``: rebuilt from every cp rank's rows, a collective)."""
+        if not self.sharded(cp):
+            self.append(state, name, layer, new, start, cp)
+            return self.read(state, name, layer, start + new.shape[0], cp)
+        old = self.gather(state, name, layer, start, cp)
+        self.append(state, name, layer, new, start, cp)
+        return torch.cat([old, new])
+
+    def gather(
+        self, state: SeqState, name: str, layer: int, num_tokens: int, cp: AxisComm
+    ) -> Tensor:
+        """Every row of the first ``num_tokens`` tokens in position order, from every cp
+        rank's kept rows under ``shard`` (collective; every rank passes the same count)."""
+        local = self.read(state, name, layer, num_tokens, cp)
+        if not self.sharded(cp):
+            return local
+        owned = [kv_shard_positions(num_tokens, self.page_size, cp.size, r) for r in range(cp.size)]
+        parts = cp.all_gather_ragged(local, [len(p) for p in owned])
+        full = local.new_empty((num_tokens, *local.shape[1:]))
+        for positions, part in zip(owned, parts, strict=True):
+            full[positions.to(full.device)] = part
+        return full
+
+
+def _pool(table: PageTable, name: str, layer: int) -> Tensor:
+    # [P, T, *row] view of the pool holding ``name`` rows of ``layer`` (writes go to it).
+    if name == "k":
+        return table.pools.k(layer)
+    if name == "v":
+        return table.pools.v(layer)
+    if name == "latent":  # keys-only KV of one head-less "head": [P, T, 1, D] -> [P, T, D]
+        return table.pools.k(layer).select(2, 0)
+    assert name == "index_k", name
+    return table.pools.indexer(layer)
