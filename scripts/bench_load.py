@@ -247,6 +247,7 @@ LOAD_COLUMNS = (
 
 HIT_COLUMNS = (
     Column("cached_tokens", "cached tokens"),
+    Column("path", "engine", align="left"),
     Column("hit_cached", "served from L1"),
     Column("hit_ttft_s", "hit TTFT ms", lambda v: f"{v * 1e3:.1f}"),
     Column("cold_ttft_s", "cold TTFT ms", lambda v: f"{v * 1e3:.1f}"),
@@ -372,11 +373,23 @@ def load_pages(args: argparse.Namespace, trace: Sequence[Turn]) -> tuple[int, in
     return device, max(args.host_pages, 2 * sum(pages))
 
 
+def _hit_engines(model: HybridModel, cache: HiCache | None, max_new: int) -> dict[str, Engine]:
+    """The engines to time a hit with: ``paged=True`` and ``paged=False`` (the contiguous
+    copy of the prefix) where ``Engine`` has the choice, else the one engine."""
+    if "paged" not in {f.name for f in dataclasses.fields(Engine)}:
+        return {"engine": Engine(model, cache, max_new_tokens=max_new)}
+    return {
+        name: Engine(model, cache, max_new_tokens=max_new, paged=paged)  # type: ignore[call-arg]
+        for name, paged in (("paged", True), ("copy", False))
+    }
+
+
 def hit_ttft(
     args: argparse.Namespace, topology: MeshTopology, model: HybridModel, lengths: Sequence[int]
 ) -> list[dict[str, Any]]:
-    """TTFT of a full-prefix L1 hit of N cached tokens, for each N in ``lengths``.
-    Collective (every rank serves the same prompts)."""
+    """TTFT of a full-prefix L1 hit of N cached tokens, for each N in ``lengths`` and each
+    engine path (``_hit_engines``): the prompt (N + 1 tokens) is served once cold, then
+    ``--hit-repeats`` times per path, alternating paths. Collective."""
     ps = args.page_size
     rng = random.Random(args.seed + 17)
     out = []
@@ -384,23 +397,29 @@ def hit_ttft(
         n = -(-n // ps) * ps  # whole pages: all of it can be cached
         pages = 2 * (-(-(n + 1 + args.max_new_tokens) // ps)) + 8
         cache = _new_cache(args, topology, model, "device", "", pages)
-        engine = Engine(model, cache, max_new_tokens=args.max_new_tokens)
+        engines = _hit_engines(model, cache, args.max_new_tokens)
         prompt = [rng.randrange(model.config.vocab_size) for _ in range(n + 1)]
-        cold = engine.serve(prompt)
-        hits = [engine.serve(prompt) for _ in range(args.hit_repeats)]
+        cold = next(iter(engines.values())).serve(prompt)
+        hits: dict[str, list[RequestResult]] = {name: [] for name in engines}
+        for i in range(args.hit_repeats):
+            for name in mode_order(list(engines), i):
+                hits[name].append(engines[name].serve(prompt))
         assert cache is not None
         cache.close()
-        out.append(
-            {
-                "cached_tokens": n,
-                "cold_ttft_s": cold.ttft_s,
-                "hit_ttft_s": statistics.median(h.ttft_s for h in hits),
-                "hit_ttft_all_s": [h.ttft_s for h in hits],
-                "hit_cached": min(h.cached_device for h in hits),
-                "hit_vs_cold": statistics.median(h.ttft_s for h in hits) / cold.ttft_s,
-                "outputs_match": all(h.output_ids == cold.output_ids for h in hits),
-            }
-        )
+        for name, done in hits.items():
+            hit = statistics.median(h.ttft_s for h in done)
+            out.append(
+                {
+                    "cached_tokens": n,
+                    "path": name,
+                    "cold_ttft_s": cold.ttft_s,
+                    "hit_ttft_s": hit,
+                    "hit_ttft_all_s": [h.ttft_s for h in done],
+                    "hit_cached": min(h.cached_device for h in done),
+                    "hit_vs_cold": hit / cold.ttft_s,
+                    "outputs_match": all(h.output_ids == cold.output_ids for h in done),
+                }
+            )
     return out
 
 
