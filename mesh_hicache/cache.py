@@ -117,6 +117,14 @@ class CachedRequest:
         """After ``finish_load``: tokens of the prefix served per tier (device, host, storage)."""
         return self._lease.served
 
+    @property
+    def prefetch_done(self) -> bool:
+        """No L3 prefetch of this request is still reading on this rank. Rank-local: a
+        scheduler agrees it over the mesh before acting on it (``load`` applies the stop
+        policy either way)."""
+        job = self._lease.prefetch
+        return job is None or job.finished.is_set()
+
     def wait_layer(self, layer_id: int) -> bool:
         """Block until layer ``layer_id``'s part of the load is on device (True if ok)."""
         return self._lease.wait_layer(layer_id)

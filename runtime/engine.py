@@ -1,19 +1,26 @@
 """The serving engine: match -> load -> prefill the suffix -> insert -> decode -> insert.
 
-One request at a time (the cache API does not assume it). Every rank of the mesh runs
-the same requests in the same order: the model and the cache are collective.
+One request's path is a :class:`RequestRun` driven step by step: ``Engine.serve`` runs
+one request at a time through it (the sequential reference), ``runtime.scheduler`` runs
+many at once (chunked prefill beside batched decode). Every rank of the mesh drives the
+same requests through the same steps in the same order: the model and the cache are
+collective.
 
 Per-token hook: ``serve(..., on_token=f)`` calls ``f(token_id)`` after each generated
 token; a true result ends the request after that token (e.g. at end of sequence), and an
 exception leaves it (the request is released). On a mesh ``f`` must decide the same on
 every rank (the caller agrees on it, e.g. by a broadcast from rank 0).
 
-Paging: the model keeps a request's state contiguous (``SeqState``); the engine moves
-it between the cache's device pools and that state. A page of layer L in the device
-pool is ``[page_size_local, kv_heads_local, head_dim]``; with ``cp_kv="shard"`` cp rank
-c keeps in-page offsets ``[c * page_size_local, (c + 1) * page_size_local)``. An MLA
-layer's latent ``[t, D]`` is the keys-only KV of one head (``KVSpec.values=False``) and
-its indexer keys ``[t, E]`` the ``indexer`` pages of that layer; both page like K.
+Paging: a request that holds device pages runs on a paged state
+(``HybridModel.paged_state``) when the model supports it: attention reads the cached
+prefix and writes new tokens straight in the pool pages, so a device hit copies nothing
+of the prefix. Otherwise (and for a request served uncached) the state is contiguous
+(``SeqState``) and the engine copies between the pools and that state. A page of layer L
+in the device pool is ``[page_size_local, kv_heads_local, head_dim]``; with
+``cp_kv="shard"`` cp rank c keeps in-page offsets ``[c * page_size_local, (c + 1) *
+page_size_local)``. An MLA layer's latent ``[t, D]`` is the keys-only KV of one head
+(``KVSpec.values=False``) and its indexer keys ``[t, E]`` the ``indexer`` pages of that
+layer; both page like K.
 
 Mamba checkpoints: the state is written to a device slot at the last page boundary of
 the prompt (only when decoding will not reach a page boundary), at the point where the
@@ -27,7 +34,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -94,25 +100,6 @@ class RequestResult:
         return out
 
 
-class TierTokens(NamedTuple):
-    """Prompt tokens a request reused, by the tier they came from."""
-
-    device: int
-    host: int
-    storage: int
-
-
-NO_HIT = TierTokens(0, 0, 0)
-
-
-class PagedRequest(NamedTuple):
-    """A request whose KV lives in device pages: its cache handle and its page ids
-    (the cached prefix's pages, then the ones allocated for the rest)."""
-
-    req: CachedRequest
-    pages: list[int]
-
-
 @dataclass(slots=True)
 class _Checkpoint:
     """A Mamba state written to a device slot after ``num_tokens`` tokens."""
@@ -121,155 +108,155 @@ class _Checkpoint:
     slot: int
 
 
-@dataclass(slots=True)
-class Engine:
-    """Runs requests through ``model`` with ``cache`` (None = recompute everything)."""
+class RequestRun:
+    """One request's steps, each collective (every rank calls the same ones in order)::
 
-    model: HybridModel
-    cache: HiCache | None
-    max_new_tokens: int = 8
-    keep_logits: bool = False
-    histories: dict[int, list[int]] = field(default_factory=dict)
+        run.match(); run.load(); run.finish_load()   # cache None: no-ops
+        while not run.alloc(wait=...): ...           # pages, or uncached; False: try again
+        while not run.prefilled: run.prefill_chunk(n)
+        while not run.done: run.decoded(model.decode(run.next_token, run.state))
+        result = run.finish()                        # the inserts after decode
+        run.release()                                # always (also on errors)
 
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    ``alloc`` places the Mamba checkpoints (docs/DESIGN.md section 9) and builds the state;
+    the last prefill chunk inserts the prompt's pages and checkpoints (contiguous state;
+    a paged state inserts everything in ``finish``: the tree may free pages it already
+    holds, and a paged state still reads its own until it is done).
+    """
 
-    def run(
-        self, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
-    ) -> list[RequestResult]:
-        """Serve a whole trace; each turn's prompt is its session's history + user tokens.
-        A turn with a ``stop_token`` ends after it (every rank sees the same greedy
-        tokens, so every rank stops at the same one)."""
-        results = []
-        for turn in trace:
-            prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
-            result = self.serve(
-                prompt,
-                turn.namespace,
-                max_new_tokens=turn.max_new_tokens,
-                tenant=turn.tenant,
-                on_token=None if turn.stop_token is None else stop_at(turn.stop_token),
-            )
-            result.request_id, result.session, result.turn = (
-                turn.request_id,
-                turn.session,
-                turn.turn,
-            )
-            self.histories[turn.session] = prompt + result.output_ids
-            results.append(result)
-            if progress is not None:
-                progress(result)
-        return results
-
-    def serve(
+    def __init__(
         self,
+        engine: Engine,
         prompt: Sequence[int],
-        namespace: str = "",
-        *,
-        max_new_tokens: int | None = None,
-        tenant: str | None = None,
-        on_token: TokenHook | None = None,
-    ) -> RequestResult:
-        """Greedy-generate up to ``max_new_tokens`` (default: the engine's) after
-        ``prompt`` (at least 1 token). Without ``on_token`` exactly that many tokens; with
-        it, ``on_token(id)`` is called after each generated token and a true result stops
-        there (that token is the last of ``output_ids``; no decode step is spent after
-        it). ``tenant``: the request's cache tenant (None: the cache's; see
-        ``HiCache.match``)."""
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if num_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {num_new}")
-        t0 = time.perf_counter()
-        tokens = torch.tensor(list(prompt), dtype=torch.long)
-        if self.cache is None:
-            state = self.model.new_state()
-            logits = self.model.prefill(tokens, state)
-            ttft = time.perf_counter() - t0
-            return self._decode(prompt, state, logits, ttft, None, NO_HIT, num_new, on_token)
-        cache = self.cache
-        # Match one token short: at least one prompt token is always computed, and its
-        # logits start the decode.
-        req = cache.match(prompt[:-1], namespace, tenant=tenant)
-        try:
-            return self._serve_cached(prompt, tokens, req, t0, num_new, on_token)
-        finally:
-            cache.release(req)
-
-    # -- the cached path --------------------------------------------------------------------
-
-    def _serve_cached(
-        self,
-        prompt: Sequence[int],
-        tokens: torch.Tensor,
-        req: CachedRequest,
-        t0: float,
+        namespace: str,
+        tenant: str | None,
         num_new: int,
         on_token: TokenHook | None,
-    ) -> RequestResult:
-        cache, model, ps = self.cache, self.model, self.model.page_size
-        assert cache is not None
-        cache.load(req)
-        state = self._state_from_cache(req)
-        prefix = cache.finish_load(req)
-        if prefix == 0:
-            state = model.new_state()
-        hit, served = req.hit, req.served
-        cached = TierTokens(int(served[0]), int(served[1]), int(served[2]))
-        total_pages = -(-(len(prompt) + num_new) // ps)
-        pages: list[int] | None = None
-        try:
-            new = cache.alloc_pages(req, total_pages - prefix // ps)
-            pages = req.prefix_pages[: prefix // ps] + new
-        except CacheFull:
-            pass  # Longer than L1 can hold (agreed on every rank): serve it uncached.
+    ) -> None:
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if num_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {num_new}")
+        self.model, self.cache, self.keep_logits = engine.model, engine.cache, engine.keep_logits
+        self.use_paged = engine.paged
+        self.prompt = list(prompt)
+        self.tokens = torch.tensor(self.prompt, dtype=torch.long)
+        self.namespace, self.tenant = namespace, tenant
+        self.num_new, self.on_token = num_new, on_token
+        self.req: CachedRequest | None = None
+        self.loaded = False
+        self.prefix = 0
+        self.pages: list[int] | None = None
+        """Device pages of every token (prefix pages first); None: served uncached."""
+        self.state: SeqState | None = None
+        self.pos = 0
+        self.stops: list[int] = []
+        self.decode_cp = False
+        self.checkpoints: list[_Checkpoint] = []
+        self.boundary: _Checkpoint | None = None
+        self.first_logits: torch.Tensor | None = None
+        self.output: list[int] = []
+        self.next_token: int | None = None
+        """The token to decode next (None while prefilling and once done)."""
+        self.done = False
+        self.t_start = time.perf_counter()
+        self.t_first = self.t_start
+
+    # -- the cache steps ----------------------------------------------------------------------
+
+    @property
+    def has_storage_hit(self) -> bool:
+        """An L3 prefetch is in flight (agreed: from the match result)."""
+        return self.req is not None and self.req.hit.storage_tokens > 0
+
+    @property
+    def has_host_part(self) -> bool:
+        """``load`` may copy host pages to device (agreed: from the match result)."""
+        return self.req is not None and (self.req.hit.host_tokens + self.req.hit.storage_tokens) > 0
+
+    @property
+    def prefetch_done(self) -> bool:
+        """This rank's L3 prefetch finished (rank-local: agree before acting on it)."""
+        return self.req is None or self.req.prefetch_done
+
+    def match(self) -> None:
+        """Look the prompt up one token short: at least one prompt token is always
+        computed, and its logits start the decode. Starts the L3 prefetch."""
+        self.t_start = time.perf_counter()
+        if self.cache is not None:
+            self.req = self.cache.match(self.prompt[:-1], self.namespace, tenant=self.tenant)
+
+    def load(self) -> None:
+        """Stop the prefetch (its policy) and start the host -> device load."""
+        if self.req is not None:
+            assert self.cache is not None
+            self.cache.load(self.req)
+
+    def finish_load(self) -> None:
+        """Wait for the load (agreed); the prefix is final."""
+        if self.req is not None:
+            assert self.cache is not None
+            self.prefix = self.cache.finish_load(self.req)
+        self.loaded = True
+
+    def alloc(self, *, wait: bool = False) -> bool:
+        """Device pages for the prompt and ``num_new`` tokens, then the state. On
+        ``CacheFull`` (agreed): False when ``wait`` (call again later), else the request
+        is served uncached (no pages; longer than L1 can hold, or nothing will free any)."""
+        assert self.loaded and self.state is None
+        cache, req, ps = self.cache, self.req, self.model.page_size
+        if cache is not None and req is not None:
+            total_pages = -(-(len(self.prompt) + self.num_new) // ps)
+            try:
+                new = cache.alloc_pages(req, total_pages - self.prefix // ps)
+                self.pages = req.prefix_pages[: self.prefix // ps] + new
+            except CacheFull:
+                if wait:
+                    return False
+        self._plan_checkpoints()
+        self.state = self._initial_state()
+        self.pos = self.prefix
+        return True
+
+    def _plan_checkpoints(self) -> None:
         # Checkpoints inside the prompt: where it branched off a stateless KV path, and the
         # last page boundary. Prefill is split there so the state can be captured.
         # Admission (docs/DESIGN.md section 9): the prompt-end ones only when decode will
         # not reach a page boundary (with a hook it may stop early: keep them).
-        n_prompt = len(prompt)
-        decode_cp = on_token is None and (n_prompt + num_new - 1) // ps > n_prompt // ps
+        n, ps, prefix = len(self.prompt), self.model.page_size, self.prefix
+        self.decode_cp = self.on_token is None and (n + self.num_new - 1) // ps > n // ps
         stops = set()
-        if cache.spec.has_mamba:
-            if prefix < hit.raw_kv_tokens < len(prompt):
-                stops.add(hit.raw_kv_tokens)
-            if not decode_cp:
+        if self.cache is not None and self.req is not None and self.cache.spec.has_mamba:
+            raw = self.req.hit.raw_kv_tokens
+            if prefix < raw < n:
+                stops.add(raw)
+            if not self.decode_cp:
                 # Strictly inside the prompt: a repeat of this prompt matches one token short.
-                stops.add((len(prompt) - 1) // ps * ps)
-        stops = {s for s in stops if prefix < s <= len(prompt)} | {len(prompt)}
-        checkpoints: list[_Checkpoint] = []
-        pos = prefix
-        logits = torch.empty(0)
-        for stop in sorted(stops):
-            logits = model.prefill(tokens[pos:stop], state)
-            pos = stop
-            end_cp = decode_cp and stop == n_prompt
-            if stop % ps == 0 and cache.spec.has_mamba and pages is not None and not end_cp:
-                checkpoint = self._checkpoint(req, state)
-                if checkpoint is not None:
-                    checkpoints.append(checkpoint)
-        ttft = time.perf_counter() - t0
-        if pages is None:
-            return self._decode(prompt, state, logits, ttft, None, cached, num_new, on_token)
-        self._write_kv(state, pages, prefix, len(prompt))
-        for cp in checkpoints:
-            cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
-        if not cache.spec.has_mamba and len(prompt) >= ps:
-            n = len(prompt) // ps * ps
-            cache.insert(req, prompt[:n], pages[: n // ps])
-        paged = PagedRequest(req, pages)
-        return self._decode(prompt, state, logits, ttft, paged, cached, num_new, on_token)
+                stops.add((n - 1) // ps * ps)
+        self.stops = sorted({s for s in stops if prefix < s <= n} | {n})
+
+    @property
+    def paged(self) -> bool:
+        return self.state is not None and self.state.pages is not None
+
+    def _initial_state(self) -> SeqState:
+        model, req = self.model, self.req
+        if self.pages is not None and self.cache is not None and self.use_paged:
+            assert req is not None
+            slot = req.mamba_slot if self.prefix and self.cache.spec.has_mamba else None
+            try:
+                return model.paged_state(self.cache.device, self.pages, self.prefix, slot=slot)
+            except NotImplementedError:
+                pass  # a model without paged attention: the contiguous copy below
+        if self.prefix == 0 or req is None:
+            return model.new_state()
+        return self._state_from_cache(req)
 
     def _state_from_cache(self, req: CachedRequest) -> SeqState:
-        """The model state after ``req.prefix_len`` cached tokens, layer by layer."""
+        """A contiguous state after ``prefix`` cached tokens, copied out of the pools."""
         assert self.cache is not None
-        model, pools = self.model, self.cache.device
+        model, pools, n = self.model, self.cache.device, self.prefix
         state = model.new_state()
-        n = req.prefix_len
-        if n == 0:
-            return state
         pages = torch.tensor(req.prefix_pages[: n // model.page_size], dtype=torch.long)
         for layer in model.local_layers:
             req.wait_layer(layer)
@@ -291,28 +278,142 @@ class Engine:
         state.num_tokens = n
         return state
 
-    def _checkpoint(self, req: CachedRequest, state: SeqState) -> _Checkpoint | None:
+    # -- the model steps ----------------------------------------------------------------------
+
+    @property
+    def prefilled(self) -> bool:
+        return self.first_logits is not None
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.prompt) - self.pos
+
+    def prefill_chunk(self, limit: int | None = None) -> int:
+        """Prefill up to ``limit`` tokens (None: to the next checkpoint stop); returns the
+        tokens computed. The last chunk inserts the prompt and takes the first token."""
+        assert self.state is not None and not self.prefilled
+        stop = next(s for s in self.stops if s > self.pos)
+        end = stop if limit is None else min(stop, self.pos + max(1, limit))
+        start, self.pos = self.pos, end
+        logits = self.model.prefill(self.tokens[start:end], self.state)
+        n, ps = len(self.prompt), self.model.page_size
+        end_cp = self.decode_cp and end == n
+        if end == stop and end % ps == 0 and self.pages is not None and not end_cp:
+            if self.cache is not None and self.cache.spec.has_mamba:
+                checkpoint = self._checkpoint()
+                if checkpoint is not None:
+                    self.checkpoints.append(checkpoint)
+        if end == n:
+            self.t_first = time.perf_counter()
+            self.first_logits = logits
+            if not self.paged:
+                self._insert_prompt()
+            self._take(logits)
+        return end - start
+
+    def decoded(self, logits: torch.Tensor) -> None:
+        """``logits`` of ``next_token`` (decoded into ``state``): checkpoint, next token."""
+        assert self.state is not None and self.next_token is not None
+        cache, state = self.cache, self.state
+        if self.pages is not None and cache is not None and cache.spec.has_mamba:
+            if state.num_tokens % self.model.page_size == 0:
+                if self.boundary is None:
+                    self.boundary = self._checkpoint()
+                else:
+                    self._write_state(self.boundary.slot)
+                    self.boundary.num_tokens = state.num_tokens
+        self._take(logits)
+
+    def _take(self, logits: torch.Tensor) -> None:
+        token = int(torch.argmax(logits))
+        self.output.append(token)
+        self.next_token = None
+        stop = self.on_token is not None and self.on_token(token)
+        if stop or len(self.output) == self.num_new:
+            self.done = True
+        else:
+            self.next_token = token
+
+    # -- inserts ------------------------------------------------------------------------------
+
+    def _insert_prompt(self) -> None:
+        if self.pages is None or self.cache is None or self.req is None:
+            return
+        cache, req, pages, ps = self.cache, self.req, self.pages, self.model.page_size
+        assert self.state is not None
+        prompt = self.prompt
+        if not self.paged:
+            self._write_kv(self.prefix, len(prompt))
+        for cp in self.checkpoints:
+            cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
+        if not cache.spec.has_mamba and len(prompt) >= ps:
+            n = len(prompt) // ps * ps
+            cache.insert(req, prompt[:n], pages[: n // ps])
+
+    def finish(self) -> RequestResult:
+        """Write and insert what decode added (and, paged, the prompt); the result."""
+        assert self.done and self.state is not None and self.first_logits is not None
+        cache, req, pages, ps = self.cache, self.req, self.pages, self.model.page_size
+        if pages is not None and cache is not None and req is not None:
+            if self.paged:
+                self._insert_prompt()
+            else:
+                self._write_kv(len(self.prompt), self.state.num_tokens)
+            full = self.prompt + self.output
+            num_tokens = self.state.num_tokens
+            if self.boundary is not None:
+                n = self.boundary.num_tokens
+                cache.insert(req, full[:n], pages[: n // ps], self.boundary.slot)
+            elif not cache.spec.has_mamba and num_tokens >= ps:
+                n = num_tokens // ps * ps
+                cache.insert(req, full[:n], pages[: n // ps])
+        served = req.served if req is not None else (0, 0, 0)
+        now = time.perf_counter()
+        return RequestResult(
+            request_id=0,
+            session=0,
+            turn=0,
+            prompt_len=len(self.prompt),
+            cached_device=int(served[0]),
+            cached_host=int(served[1]),
+            cached_storage=int(served[2]),
+            ttft_s=self.t_first - self.t_start,
+            decode_s=now - self.t_first,
+            output_ids=self.output,
+            last_logits=self.first_logits.tolist() if self.keep_logits else None,
+        )
+
+    def release(self) -> None:
+        """Unlock and free what the request still holds (idempotent; also on errors)."""
+        if self.req is not None:
+            assert self.cache is not None
+            self.cache.release(self.req)
+
+    # -- writes into the pools ----------------------------------------------------------------
+
+    def _checkpoint(self) -> _Checkpoint | None:
         """Write the state to a new device slot; None when every slot is in use."""
-        assert self.cache is not None
+        assert self.cache is not None and self.req is not None and self.state is not None
         try:
-            slot = self.cache.alloc_slot(req)
+            slot = self.cache.alloc_slot(self.req)
         except CacheFull:
             return None
-        self._write_state(state, slot)
-        return _Checkpoint(state.num_tokens, slot)
+        self._write_state(slot)
+        return _Checkpoint(self.state.num_tokens, slot)
 
-    def _write_state(self, state: SeqState, slot: int) -> None:
-        assert self.cache is not None
-        pools = self.cache.device
+    def _write_state(self, slot: int) -> None:
+        assert self.cache is not None and self.state is not None
+        pools, state = self.cache.device, self.state
         for layer, conv in state.conv.items():
             pools.conv(layer)[slot] = conv
             pools.ssm(layer)[slot] = state.ssm[layer]
 
-    def _write_kv(self, state: SeqState, pages: list[int], start: int, end: int) -> None:
+    def _write_kv(self, start: int, end: int) -> None:
         """Copy the K/V (MLA: latent and indexer keys) of positions ``[start, end)`` from
-        ``state`` into their pages (this cp rank's rows of them under ``cp_kv="shard"``)."""
-        assert self.cache is not None
-        model, pools, ps = self.model, self.cache.device, self.model.page_size
+        the contiguous state into their pages (this cp rank's rows of them under
+        ``cp_kv="shard"``)."""
+        assert self.cache is not None and self.pages is not None and self.state is not None
+        model, pools, ps, state = self.model, self.cache.device, self.model.page_size, self.state
         cp = model.comms.cp
         # This rank's token range inside a page (all of it unless cp_kv="shard").
         offset, _ = kv_page_tokens(ps, cp.size, cp.rank, model.cp_kv)
@@ -323,7 +424,7 @@ class Engine:
         keep = positions >= start
         local = keep.nonzero().flatten()
         pos = positions[keep]
-        page_ids = torch.tensor(pages, dtype=torch.long)[pos // ps]
+        page_ids = torch.tensor(self.pages, dtype=torch.long)[pos // ps]
         in_page = pos % ps - offset
         for layer in state.k:
             pools.k(layer)[page_ids, in_page] = state.k[layer][local]
@@ -333,58 +434,111 @@ class Engine:
         for layer, keys in state.index_k.items():
             pools.indexer(layer)[page_ids, in_page] = keys[local]
 
-    # -- decode -----------------------------------------------------------------------------
 
-    def _decode(
+@dataclass(slots=True)
+class Engine:
+    """Runs requests through ``model`` with ``cache`` (None = recompute everything), one
+    at a time: the sequential reference of ``runtime.scheduler``."""
+
+    model: HybridModel
+    cache: HiCache | None
+    max_new_tokens: int = 8
+    keep_logits: bool = False
+    histories: dict[int, list[int]] = field(default_factory=dict)
+    paged: bool = True
+    """Run requests that hold device pages on paged states (``HybridModel.paged_state``)
+    where the model has them; False: always a contiguous copy (the old path, for A/B)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def start(self, turn: Turn) -> RequestRun:
+        """The run of ``turn``: its prompt is its session's history + its user tokens."""
+        prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
+        return self.request(
+            prompt,
+            turn.namespace,
+            max_new_tokens=turn.max_new_tokens,
+            tenant=turn.tenant,
+            on_token=None if turn.stop_token is None else stop_at(turn.stop_token),
+        )
+
+    def finish(self, turn: Turn, run: RequestRun) -> RequestResult:
+        """``run.finish()`` labelled with ``turn``; the session's history grows by its answer."""
+        result = run.finish()
+        result.request_id, result.session, result.turn = turn.request_id, turn.session, turn.turn
+        self.histories[turn.session] = run.prompt + result.output_ids
+        return result
+
+    def request(
         self,
         prompt: Sequence[int],
-        state: SeqState,
-        logits: torch.Tensor,
-        ttft: float,
-        paged: PagedRequest | None,
-        cached: TierTokens,
-        num_new: int,
-        on_token: TokenHook | None,
-    ) -> RequestResult:
+        namespace: str = "",
+        *,
+        max_new_tokens: int | None = None,
+        tenant: str | None = None,
+        on_token: TokenHook | None = None,
+    ) -> RequestRun:
+        """A :class:`RequestRun` (nothing is matched yet); arguments as for :meth:`serve`."""
+        num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        return RequestRun(self, prompt, namespace, tenant, num_new, on_token)
+
+    def run(
+        self, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
+    ) -> list[RequestResult]:
+        """Serve a whole trace; each turn's prompt is its session's history + user tokens.
+        A turn with a ``stop_token`` ends after it (every rank sees the same greedy
+        tokens, so every rank stops at the same one)."""
         t0 = time.perf_counter()
-        ps = self.model.page_size
-        first_logits = logits
-        output: list[int] = []
-        boundary: _Checkpoint | None = None
-        for i in range(num_new):
-            token = int(torch.argmax(logits))
-            output.append(token)
-            stop = on_token is not None and on_token(token)
-            if stop or i == num_new - 1:
-                break
-            logits = self.model.decode(token, state)
-            if paged is not None and self.cache is not None and state.num_tokens % ps == 0:
-                if self.cache.spec.has_mamba:
-                    if boundary is None:
-                        boundary = self._checkpoint(paged.req, state)
-                    else:
-                        self._write_state(state, boundary.slot)
-                        boundary.num_tokens = state.num_tokens
-        if paged is not None and self.cache is not None:
-            req, pages = paged
-            self._write_kv(state, pages, len(prompt), state.num_tokens)
-            full = list(prompt) + output
-            if boundary is not None:
-                n = boundary.num_tokens
-                self.cache.insert(req, full[:n], pages[: n // ps], boundary.slot)
-            elif not self.cache.spec.has_mamba and state.num_tokens >= ps:
-                n = state.num_tokens // ps * ps
-                self.cache.insert(req, full[:n], pages[: n // ps])
-        return RequestResult(
-            request_id=0,
-            session=0,
-            turn=0,
-            prompt_len=len(prompt),
-            cached_device=cached.device,
-            cached_host=cached.host,
-            cached_storage=cached.storage,
-            ttft_s=ttft,
-            decode_s=time.perf_counter() - t0,
-            output_ids=output,
-            last_logits=first_logits.tolist() if self.keep_logits else None,
+        results = []
+        for turn in trace:
+            run = self.start(turn)
+            arrival = time.perf_counter() - t0
+            try:
+                self._drive(run)
+                result = self.finish(turn, run)
+            finally:
+                run.release()
+            result.arrival_s = arrival
+            result.first_token_s = run.t_first - t0
+            result.finish_s = time.perf_counter() - t0
+            results.append(result)
+            if progress is not None:
+                progress(result)
+        return results
+
+    def serve(
+        self,
+        prompt: Sequence[int],
+        namespace: str = "",
+        *,
+        max_new_tokens: int | None = None,
+        tenant: str | None = None,
+        on_token: TokenHook | None = None,
+    ) -> RequestResult:
+        """Greedy-generate up to ``max_new_tokens`` (default: the engine's) after
+        ``prompt`` (at least 1 token). Without ``on_token`` exactly that many tokens; with
+        it, ``on_token(id)`` is called after each generated token and a true result stops
+        there (that token is the last of ``output_ids``; no decode step is spent after
+        it). ``tenant``: the request's cache tenant (None: the cache's; see
+        ``HiCache.match``)."""
+        run = self.request(
+            prompt, namespace, max_new_tokens=max_new_tokens, tenant=tenant, on_token=on_token
         )
+        try:
+            self._drive(run)
+            return run.finish()
+        finally:
+            run.release()
+
+    def _drive(self, run: RequestRun) -> None:
+        run.match()
+        run.load()
+        run.finish_load()
+        run.alloc(wait=False)
+        while not run.prefilled:
+            run.prefill_chunk()
+        while not run.done:
+            assert run.state is not None and run.next_token is not None
+            run.decoded(self.model.decode(run.next_token, run.state))

@@ -1,16 +1,44 @@
 """Continuous batching over the cache (issue 14): a waiting queue and a running batch.
 
-First version: admits one request at a time (the sequential engine), with the final API.
+Each :meth:`Scheduler.run` loop iteration is one *step*, the same on every rank:
+
+1. agree the clock and the L3 prefetches' progress (one small MIN reduction over the
+   mesh, only when a decision needs it: ``realtime``, or a prefetch in flight);
+2. arrivals join the waiting queue (a session's next turn only after its previous
+   answer, ``think_s`` later when realtime); the oldest are admitted (matched: the L3
+   prefetch starts) while fewer than ``max_running`` are admitted;
+3. ``load`` the matched requests whose prefetch policy allows it: ``best_effort`` one
+   step after its match (the prefetch ran beside that step's compute), ``wait_complete``
+   once every rank's prefetch finished, ``timeout`` then or at its deadline (base + per
+   1k tokens, from its first agreed step); any of them at once when nothing else can run;
+4. ``finish_load`` the requests loaded a step earlier, so the host -> device copies ran
+   beside a step of the batch's compute (at once when there is nothing to overlap);
+5. pages for the loaded requests, oldest first; on ``CacheFull`` a request waits while
+   another one runs (it will release its prefix and pages), else it is served uncached:
+   L1 full of locked prefixes cannot deadlock;
+6. chunked prefill under ``token_budget`` (oldest first; chunks also end at the Mamba
+   checkpoint stops), then one ``decode_batch`` for every request past its prefill;
+7. finished requests insert, release and report; ``cache.step()`` consumes finished
+   backups (write-through copies and L3 writes run in the background meanwhile).
+
+Every decision derives from the trace, agreed cache results (match hits, allocations,
+``finish_load``) and the agreed values of step 1, so the mesh stays in lockstep. The
+per-request logic is ``runtime.engine.RequestRun``, the same as the sequential engine's.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from mesh_hicache.cache import HiCache
-from runtime.engine import Engine, RequestResult, stop_at
+from mesh_hicache.choices import PrefetchPolicy
+from runtime.engine import Engine, RequestResult, RequestRun
 from runtime.model import HybridModel
 from runtime.workloads import Turn
 
@@ -34,8 +62,26 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+MATCHED, LOADING, LOADED, RUNNING = "matched", "loading", "loaded", "running"
+
+
+@dataclass(slots=True)
+class _Active:
+    """An admitted request: its run and where it is."""
+
+    turn: Turn
+    run: RequestRun
+    arrival_s: float
+    phase: str
+    step: int
+    """The step of its last phase change."""
+    deadline: float | None = None
+    """``timeout`` policy: agreed trace seconds after which it loads what arrived."""
+
+
 class Scheduler:
-    """Serves a trace with up to ``config.max_running`` requests in flight."""
+    """Serves a trace with up to ``config.max_running`` requests in flight (see the
+    module docstring). Collective: every rank runs the same trace."""
 
     def __init__(
         self,
@@ -49,34 +95,181 @@ class Scheduler:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
+        self.model = model
+        self.cache = cache
         self.engine = Engine(model, cache, max_new_tokens=max_new_tokens, keep_logits=keep_logits)
+        self.policy = PrefetchPolicy(cache.config.prefetch_policy) if cache else None
+        #: Of the last ``run`` (tests read them): steps, agreement collectives, times a
+        #: request waited for pages, requests served uncached (CacheFull with none running).
+        self.num_steps = self.num_agreements = self.num_waits = self.num_uncached = 0
+
+    # -- the loop -----------------------------------------------------------------------------
 
     def run(
         self, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
     ) -> list[RequestResult]:
-        """Serve ``trace``; results in trace order (request_id order)."""
-        t0 = time.perf_counter()
-        results = []
+        """Serve ``trace``; results in trace order (request_id order). Each turn's prompt
+        is its session's history + its user tokens, so a session's turns run in order."""
+        self._t0 = time.perf_counter()
+        self._sessions: dict[int, deque[Turn]] = {}
         for turn in trace:
-            arrival = time.perf_counter() - t0
-            prompt = self.engine.histories.get(turn.session, []) + list(turn.user_tokens)
-            result = self.engine.serve(
-                prompt,
-                turn.namespace,
-                max_new_tokens=turn.max_new_tokens,
-                tenant=turn.tenant,
-                on_token=None if turn.stop_token is None else stop_at(turn.stop_token),
-            )
-            result.request_id, result.session, result.turn = (
-                turn.request_id,
-                turn.session,
-                turn.turn,
-            )
-            result.arrival_s = arrival
-            result.first_token_s = arrival + result.ttft_s
-            result.finish_s = result.first_token_s + result.decode_s
-            self.engine.histories[turn.session] = prompt + result.output_ids
-            results.append(result)
-            if progress is not None:
-                progress(result)
-        return results
+            self._sessions.setdefault(turn.session, deque()).append(turn)
+        # Available turns (their session's previous turn finished): (arrival_s, turn).
+        self._pending: list[tuple[float, Turn]] = []
+        self._released: list[tuple[float | None, Turn]] = []
+        for queue in self._sessions.values():
+            self._released.append((None, queue.popleft()))
+        self._waiting: list[tuple[float, Turn]] = []
+        self._active: list[_Active] = []
+        self._results: dict[int, RequestResult] = {}
+        self._progress = progress
+        self.num_steps = self.num_agreements = self.num_waits = self.num_uncached = 0
+        try:
+            while self._released or self._pending or self._waiting or self._active:
+                self._step()
+        finally:
+            for a in self._active:
+                a.run.release()
+            self._active = []
+        return [self._results[t.request_id] for t in trace]
+
+    def _clock(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _step(self) -> None:
+        self.num_steps += 1
+        step = self.num_steps
+        now, prefetched = self._agree(step)
+        self._arrive(now)
+        self._admit(step)
+        busy = any(a.phase != MATCHED for a in self._active)
+        for a in [a for a in self._active if a.phase == MATCHED and a.step < step]:
+            if self._may_load(a, now, prefetched, busy):
+                a.run.load()
+                a.phase, a.step = LOADING, step
+        for a in [a for a in self._active if a.phase == LOADING]:
+            if a.step < step or not busy or not a.run.has_host_part:
+                a.run.finish_load()
+                a.phase, a.step = LOADED, step
+        for a in [a for a in self._active if a.phase == LOADED]:
+            others_run = any(b.phase == RUNNING for b in self._active if b is not a)
+            if not a.run.alloc(wait=others_run):
+                self.num_waits += 1
+                continue
+            a.phase, a.step = RUNNING, step
+            self.num_uncached += self.cache is not None and a.run.pages is None
+        self._compute()
+        for a in [a for a in self._active if a.run.done]:
+            self._finish(a)
+        if self.cache is not None:
+            self.cache.step()
+        if not self._active and not self._waiting and self._pending and self.config.realtime:
+            nxt = min(arrival for arrival, _ in self._pending)
+            time.sleep(max(0.0, nxt - now))
+
+    # -- agreement, arrivals, admission -------------------------------------------------------
+
+    def _agree(self, step: int) -> tuple[float, dict[int, bool]]:
+        """The trace clock and, per matched request with an L3 prefetch, whether it
+        finished on every rank: one MIN reduction over the mesh when a decision needs it
+        (realtime arrivals, a prefetch policy); else the local clock (reports only)."""
+        waiting = [a for a in self._active if a.phase == MATCHED and a.run.has_storage_hit]
+        waiting = [a for a in waiting if a.step < step]
+        local = self._clock()
+        if not self.config.realtime and not waiting:
+            return local, {}
+        values = [-int(local * 1e6)] + [int(a.run.prefetch_done) for a in waiting]
+        agreed = self._min_over_mesh(values)
+        self.num_agreements += 1
+        now = -agreed[0] / 1e6
+        return now, {id(a): bool(v) for a, v in zip(waiting, agreed[1:], strict=True)}
+
+    def _min_over_mesh(self, values: list[int]) -> list[int]:
+        # The model's three axis groups span the mesh (tp, then cp, then pp): an
+        # element-wise MIN over each in turn is the MIN over every rank. Works without a
+        # cache; a one-rank axis costs nothing.
+        comms = self.model.comms
+        buf = torch.tensor(values, dtype=torch.int64, device=self.model.device)
+        for axis in (comms.tp, comms.cp, comms.pp):
+            buf = axis.all_reduce(buf, op=dist.ReduceOp.MIN)
+        return [int(v) for v in buf.tolist()]
+
+    def _arrive(self, now: float) -> None:
+        for after, turn in self._released:
+            arrival = turn.arrival_s or 0.0
+            if after is None and not self.config.realtime:
+                arrival = now
+            elif after is not None:
+                # Released by its previous turn's answer: the first agreed clock after it.
+                arrival = max(arrival, now + turn.think_s) if self.config.realtime else now
+            self._pending.append((arrival, turn))
+        self._released = []
+        due = [(arr, t) for arr, t in self._pending if not self.config.realtime or arr <= now]
+        if due:
+            self._pending = [p for p in self._pending if p not in due]
+            self._waiting.extend(due)
+            self._waiting.sort(key=lambda p: (p[0], p[1].request_id))
+
+    def _admit(self, step: int) -> None:
+        while self._waiting and len(self._active) < self.config.max_running:
+            arrival, turn = self._waiting.pop(0)
+            run = self.engine.start(turn)
+            self._active.append(_Active(turn, run, arrival, MATCHED, step))
+            run.match()
+            if not run.has_storage_hit:
+                # Nothing to prefetch: it may load in this very step.
+                self._active[-1].step = step - 1
+
+    def _may_load(self, a: _Active, now: float, prefetched: dict[int, bool], busy: bool) -> bool:
+        if not a.run.has_storage_hit or not busy:
+            return True  # nothing to wait for, or nothing else to do than wait in load
+        if self.policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if prefetched[id(a)]:
+            return True
+        if self.policy is PrefetchPolicy.TIMEOUT:
+            if a.deadline is None:
+                assert self.cache is not None and a.run.req is not None
+                cfg = self.cache.config
+                tokens = a.run.req.hit.storage_tokens
+                budget = cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_1k_s * tokens / 1e3
+                a.deadline = now + budget
+            return now >= a.deadline
+        return False
+
+    # -- compute and finish -------------------------------------------------------------------
+
+    def _compute(self) -> None:
+        budget = self.config.token_budget
+        running = [a.run for a in self._active if a.phase == RUNNING]
+        for run in running:
+            while budget > 0 and not run.prefilled:
+                budget -= run.prefill_chunk(budget)
+        batch = [r for r in running if r.next_token is not None]
+        if batch:
+            tokens, states = [], []
+            for r in batch:
+                assert r.next_token is not None and r.state is not None
+                tokens.append(r.next_token)
+                states.append(r.state)
+            logits = self.model.decode_batch(tokens, states)
+            for i, r in enumerate(batch):
+                r.decoded(logits[i])
+
+    def _finish(self, a: _Active) -> None:
+        self._active.remove(a)
+        try:
+            result = self.engine.finish(a.turn, a.run)
+        finally:
+            a.run.release()
+        result.arrival_s = a.arrival_s
+        result.first_token_s = a.run.t_first - self._t0
+        result.finish_s = self._clock()
+        result.ttft_s = result.first_token_s - result.arrival_s
+        result.decode_s = result.finish_s - result.first_token_s
+        self._results[a.turn.request_id] = result
+        queue = self._sessions[a.turn.session]
+        if queue:
+            self._released.append((result.finish_s, queue.popleft()))
+        if self._progress is not None:
+            self._progress(result)

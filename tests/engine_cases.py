@@ -118,3 +118,115 @@ def resume_scenarios(
     checks.append(_compare("L3 after restart", "storage", engine.serve(turn), turn, ref))
     cache.close()
     return checks
+
+
+# -- batched (runtime.scheduler) vs sequential (Engine.run) ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCheck:
+    """One trace served batched and one by one, each on a fresh cache of the same mode."""
+
+    label: str
+    batched: list[list[int]]
+    sequential: list[list[int]]
+    batched_cached: int
+    """Prompt tokens the batched run took from the cache (all tiers)."""
+    max_batch: int
+    """Largest ``decode_batch`` the scheduler issued."""
+    max_prefill_chunk: int
+
+
+def mixed_trace(vocab: int, *, seed: int = 3) -> list:
+    """Multi-turn chats (the next turn continues the answer), two requests sharing a
+    system prompt, and a turn ending at a stop token: 9 requests, 40..90-token prompts."""
+    from runtime.workloads import Turn
+
+    rng = random.Random(seed)
+    system = tuple(_tokens(rng, 2 * PAGE + 3, vocab))
+    trace: list[Turn] = []
+    for turn in range(3):
+        for s in range(2):
+            user = tuple(_tokens(rng, 40 if turn == 0 else 9, vocab))
+            trace.append(Turn(len(trace), s, turn, user))
+    for s in (2, 3):
+        trace.append(Turn(len(trace), s, 0, system + tuple(_tokens(rng, 11 + s, vocab))))
+    trace.append(Turn(len(trace), 4, 0, tuple(_tokens(rng, 50, vocab)), stop_token=0))
+    return trace
+
+
+def cache_config(mode: str, cp_kv: str = "replicate", **extra: object) -> HiCacheConfig | None:
+    """``off``: no cache; ``l1``: device pools only; ``l1+l2``: with a host tier."""
+    if mode == "off":
+        return None
+    if mode == "l1":
+        return HiCacheConfig(device_pages=24, enable_host=False, cp_kv=cp_kv, **extra)  # type: ignore[arg-type]
+    assert mode == "l1+l2", mode
+    return HiCacheConfig(device_pages=24, host_pages=96, cp_kv=cp_kv, **extra)  # type: ignore[arg-type]
+
+
+def batched_vs_sequential(
+    topology: MeshTopology,
+    mode: str,
+    cp_kv: str = "replicate",
+    checkpoint: str | None = None,
+    max_running: int = 4,
+    token_budget: int = 24,
+) -> BatchCheck:
+    """Serve :func:`mixed_trace` through the scheduler and through ``Engine.run``; both
+    caches must pass ``check_integrity`` with no request left open."""
+    from mesh_hicache.testing import internals
+    from runtime.scheduler import Scheduler, SchedulerConfig
+    from runtime.workloads import Turn
+
+    if checkpoint is None:
+        config = preset("tiny")
+        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE)
+    else:
+        from runtime.checkpoints import load_checkpoint
+
+        ckpt = load_checkpoint(checkpoint)
+        config = ckpt.config
+        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE, weights=ckpt.weights)
+    trace: list[Turn] = mixed_trace(config.vocab_size)
+    sizes: list[int] = []
+    chunks: list[int] = []
+    decode_batch, prefill = model.decode_batch, model.prefill
+
+    def counting_batch(tokens, states):
+        sizes.append(len(tokens))
+        return decode_batch(tokens, states)
+
+    def counting_prefill(tokens, state, **kw):
+        chunks.append(int(tokens.shape[0]))
+        return prefill(tokens, state, **kw)
+
+    outputs: dict[str, list[list[int]]] = {}
+    cached = 0
+    for kind in ("sequential", "batched"):
+        cfg = cache_config(mode, cp_kv)
+        cache = None if cfg is None else HiCache(topology, config.state_spec(PAGE), cfg)
+        if kind == "sequential":
+            results = Engine(model, cache, max_new_tokens=5).run(trace)
+        else:
+            model.decode_batch, model.prefill = counting_batch, counting_prefill  # type: ignore[method-assign]
+            sched = SchedulerConfig(max_running=max_running, token_budget=token_budget)
+            results = Scheduler(model, cache, sched, max_new_tokens=5).run(trace)
+            model.decode_batch, model.prefill = decode_batch, prefill  # type: ignore[method-assign]
+            assert [r.request_id for r in results] == [t.request_id for t in trace]
+            cached = sum(r.cached for r in results)
+        outputs[kind] = [r.output_ids for r in results]
+        if cache is not None:
+            assert internals(cache).num_open == 0
+            cache.flush()
+            cache.check_integrity()
+            cache.close()
+    label = f"{mode} {cp_kv} {'tiny' if checkpoint is None else 'checkpoint'}"
+    return BatchCheck(
+        label,
+        outputs["batched"],
+        outputs["sequential"],
+        cached,
+        max(sizes, default=0),
+        max(chunks, default=0),
+    )
