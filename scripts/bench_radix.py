@@ -4,6 +4,12 @@ Workload (multi-turn chat): sessions start from one of a few shared system promp
 (``--system-tokens``, 1,000 by default); each turn adds a user message (250 tokens) and
 the model's reply (130 tokens), so prompts are not page aligned. Sessions run
 round-robin (``--active`` at a time, ``--turns`` turns each, then a new session starts).
+``--active`` and ``--systems`` are counts per 10,000 pages of the pool (64 and 16 at 10k,
+6 and 2 at 1k, 640 and 160 at 100k): every size holds the same shape of tree (nodes of one
+turn under shared system prompts), so its eviction calls free the same pages in the same
+number of victims and per-call times compare like with like. ``--fixed-workload`` uses the
+two counts as given at every size instead (the workload of earlier results: a 1k-page pool
+then holds 6 nodes, and its calls remove fewer, larger victims).
 
 Per request, exactly what ``HiCache`` issues, timed from the caller's token list (a
 fresh list of fresh ints per request and tree, as a tokenizer returns them):
@@ -25,8 +31,13 @@ the trees are filled to their size before timing starts; then the filled state i
 allocation by one tree must not bill a collection to the other).
 
 Eviction is also reported per removed node (mean and p99 of call time / nodes the call
-removed): a 1k-page tree holds a handful of nodes, so its calls remove fewer, larger
-victims than those of a 10k or 100k one, and per-call times compare different work.
+removed), with the victims and pages each call freed (mean and p99), so a reader can see
+whether two sizes did the same work per call.
+
+Flatness (``--flat-requests``, NEW only): one tree per size of ``--pages``, each filled
+with its own (scaled) workload, then driven in blocks of ``--block`` requests that rotate
+over the sizes, so load on the machine hits every size alike; eviction per call (mean,
+p50, p99) per size and the p99 ratio of each size to the smallest.
 
 Also measured: chained page hashing per page (NEW: from packed bytes; OLD: ``page_hashes``
 over token ints) against SGLang's native page hash approach (its key's ints into a uint32
@@ -157,6 +168,9 @@ class Side:
         self.evict_calls = 0
         self.removed = {"evict": 0, "evict_m": 0}  # nodes removed by timed evictions
         self.per_node: dict[str, list[int]] = {"evict": [], "evict_m": []}
+        # Per timed call: nodes it removed, device pages it freed.
+        self.victims: dict[str, list[int]] = {"evict": [], "evict_m": []}
+        self.freed: dict[str, list[int]] = {"evict": [], "evict_m": []}
         self.old = name == "old"
         # CPU time of this thread: time spent descheduled on a loaded machine is not counted.
         self.clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
@@ -186,6 +200,8 @@ class Side:
             self.removed[what] += nodes - self.tree.num_nodes
             # Per removed node: the calls of a small tree remove fewer, larger victims.
             self.per_node[what].append((t1 - t0) // max(1, nodes - self.tree.num_nodes))
+            self.victims[what].append(nodes - self.tree.num_nodes)
+            self.freed[what].append(len(r.device_pages))
         self._free(r)
 
     def request(self, prompt: list[int], reply: list[int], record: bool) -> None:
@@ -234,8 +250,27 @@ def summary(ns: list[int]) -> dict[str, float]:
     }
 
 
+def counts(xs: list[int]) -> dict[str, float]:
+    """Mean and p99 of per-call counts."""
+    if not xs:
+        return {"n": 0}
+    s = sorted(xs)
+    return {"mean": sum(s) / len(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))]}
+
+
+def scaled(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``--active`` / ``--systems`` per 10,000 pages of the pool (unless
+    ``--fixed-workload``): the same shape of tree at every size."""
+    if args.fixed_workload:
+        return args
+    k = args.pages / 10000
+    active, systems = max(1, round(args.active * k)), max(1, round(args.systems * k))
+    return argparse.Namespace(**{**vars(args), "active": active, "systems": systems})
+
+
 def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     """Fill both trees to ``args.pages`` pages, then time ``args.requests`` requests."""
+    args = scaled(args)
     sides = [Side("old", old, args), Side("new", new_radix, args)]
     work = Workload(args)
     gc.unfreeze()
@@ -266,7 +301,13 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
             gc.collect(1)
         done += len(block)
     gc.enable()
-    out: dict[str, Any] = {"page_size": args.page_size, "pages": args.pages, "fill_requests": fill}
+    out: dict[str, Any] = {
+        "page_size": args.page_size,
+        "pages": args.pages,
+        "active_sessions": args.active,
+        "systems": args.systems,
+        "fill_requests": fill,
+    }
     for side in sides:
         out[side.name] = {op: summary(t) for op, t in side.times.items()}
         out[side.name]["tree_nodes"] = side.tree.num_nodes
@@ -279,6 +320,8 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
             out[side.name][what]["us_per_removed_node"] = spent / removed if removed else None
             per_node = summary(side.per_node[what])
             out[side.name][what]["per_removed_node_p99_us"] = per_node.get("p99_us")
+            out[side.name][what]["victims_per_call"] = counts(side.victims[what])
+            out[side.name][what]["pages_freed_per_call"] = counts(side.freed[what])
     o, n = out["old"], out["new"]
     # Both trees saw the same calls: equal hits and sizes say they behave the same.
     out["same_hits"] = all(o[k] == n[k] for k in ("hit_tokens", "tree_nodes", "tree_device_pages"))
@@ -289,6 +332,51 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     out["speedup_old_over_new_p50"] = {op: o[op]["p50_us"] / n[op]["p50_us"] for op in ops}
     if args.check:
         sides[1].tree.check_integrity()
+    return out
+
+
+def run_flatness(args: argparse.Namespace) -> dict[str, Any]:
+    """NEW trees at every size of ``args.pages`` (scaled workloads), timed requests in
+    blocks rotating over the sizes; eviction per call per size."""
+    sides: list[Side] = []
+    works: list[Workload] = []
+    for pages in args.pages:
+        cfg = scaled(argparse.Namespace(**{**vars(args), "pages": pages}))
+        side, work = Side("new", new_radix, cfg), Workload(cfg)
+        while not side.evict_calls:
+            side.request(*work.next(), record=False)
+        for _ in range(args.warmup):
+            side.request(*work.next(), record=False)
+        sides.append(side)
+        works.append(work)
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    done, turn = 0, 0
+    while done < args.flat_requests:
+        n = min(args.block, args.flat_requests - done)
+        k = turn % len(sides)
+        for i in [*range(k, len(sides)), *range(k)]:  # each size leads in turn
+            for _ in range(n):
+                sides[i].request(*works[i].next(), record=True)
+            gc.collect(1)
+        done += n
+        turn += 1
+    gc.enable()
+    out: dict[str, Any] = {"page_size": args.page_size, "requests": args.flat_requests}
+    for pages, side in zip(args.pages, sides, strict=True):
+        out[str(pages)] = {
+            "evict": summary(side.times["evict"]),
+            "victims_per_call": counts(side.victims["evict"]),
+            "pages_freed_per_call": counts(side.freed["evict"]),
+            "tree_nodes": side.tree.num_nodes,
+        }
+    small = out[str(args.pages[0])]["evict"]
+    for pages in args.pages:
+        e = out[str(pages)]["evict"]
+        if e.get("n") and small.get("n"):
+            e["p99_over_smallest"] = e["p99_us"] / small["p99_us"]
+            e["mean_over_smallest"] = e["mean_us"] / small["mean_us"]
     return out
 
 
@@ -435,12 +523,27 @@ def main() -> None:
         default=64,
         help="A/B unit: both trees run the same block of requests, in alternating order",
     )
-    p.add_argument("--systems", type=int, default=16, help="distinct shared system prompts")
+    p.add_argument(
+        "--systems", type=int, default=16, help="distinct shared system prompts (per 10k pages)"
+    )
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--user-tokens", type=int, default=250)
     p.add_argument("--reply-tokens", type=int, default=130)
     p.add_argument("--turns", type=int, default=8, help="turns per session")
-    p.add_argument("--active", type=int, default=64, help="sessions in flight")
+    p.add_argument(
+        "--active", type=int, default=64, help="sessions in flight (per 10k pages, see above)"
+    )
+    p.add_argument(
+        "--fixed-workload",
+        action="store_true",
+        help="--active and --systems as given at every size (not per 10k pages)",
+    )
+    p.add_argument(
+        "--flat-requests",
+        type=int,
+        default=1500,
+        help="timed requests per size of the NEW-only flatness run (0: skip it)",
+    )
     p.add_argument("--no-mamba", dest="mamba", action="store_false", help="KV-only trees")
     p.add_argument("--old-rev", default="4301f1e", help="git revision of the OLD tree")
     p.add_argument("--seed", type=int, default=0)
@@ -495,8 +598,25 @@ def main() -> None:
                         f"new evict per removed node {e['us_per_removed_node']:.1f}/"
                         f"{e['per_removed_node_p99_us']:.1f} us (mean/p99)"
                     )
+                    v = e["victims_per_call"]
+                    line.append(f"victims/call {v['mean']:.2f}/{v['p99']}")
                 line.append(f"same_hits={r['same_hits']}")
                 print("  ".join(line), flush=True)
+        results["flatness"] = []
+        for ps in args.page_sizes if args.flat_requests > 0 else []:
+            cfg = argparse.Namespace(**{**vars(args), "page_size": ps})
+            f = run_flatness(cfg)
+            results["flatness"].append(f)
+            for pages in args.pages:
+                e, v = f[str(pages)]["evict"], f[str(pages)]["victims_per_call"]
+                print(
+                    f"flat ps={ps:3d} pages={pages:6d} evict {e['mean_us']:.1f}/{e['p50_us']:.1f}"
+                    f"/{e['p99_us']:.1f} us (mean/p50/p99) p99/smallest"
+                    f" {e.get('p99_over_smallest', float('nan')):.2f}"
+                    f" victims/call {v['mean']:.2f}/{v['p99']}"
+                    f" pages/call {f[str(pages)]['pages_freed_per_call']['mean']:.1f}",
+                    flush=True,
+                )
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         bench_common.write_json(bench_common.make_result("radix", config, results), args.json)

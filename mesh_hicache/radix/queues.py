@@ -132,6 +132,16 @@ class _SortedEntries:
     def first(self) -> Entry | None:
         return self.runs[0][0] if self.runs else None
 
+    def pop_first(self) -> None:
+        """Remove the first entry (no search: the entries a bisect would read are the
+        coldest of the queue)."""
+        run = self.runs[0]
+        del run[0]
+        self.size -= 1
+        if not run:
+            del self.runs[0]
+            del self.maxes[0]
+
     def __iter__(self) -> Iterator[Entry]:
         for run in self.runs:
             yield from run
@@ -293,7 +303,7 @@ class EvictionQueues:
         if first is None:
             return None
         node = first[-1]
-        queue.remove(first)
+        queue.pop_first()  # ``head`` left ``first`` at the front
         node.queue_entry[q] = None
         if self._aging:
             self._age(target, first)

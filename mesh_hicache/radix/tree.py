@@ -333,6 +333,13 @@ class RadixTree(TreeCore):
         holding KV pages and states compares the heads of its targets to pick which to evict."""
         return self._queues.head(target)
 
+    def eviction_key(self, node: TreeNode, target: EvictTarget) -> tuple:
+        """``(*priority, node.id)``: the key the policy gives ``node`` for ``target`` now,
+        comparable with ``eviction_head(target)[:-1]`` (whether or not the node is a
+        candidate there; path stats as last refreshed). Read-only."""
+        self._check_node(node)
+        return self._queues.entry(node, EvictTarget(target))[:-1]
+
     # --------------------------------------------------------------- accessors
 
     def iter_nodes(self) -> Iterator[TreeNode]:

@@ -297,6 +297,26 @@ def test_eviction_head_names_the_next_victim_without_evicting() -> None:
     assert head is not None and head[-1] is tree.node_at(key([2]))
 
 
+def test_eviction_key_is_the_head_key_and_reads_nothing_else() -> None:
+    for policy in (LRUPolicy(), LFUPolicy()):
+        tree = RadixTree(1, has_mamba=True, policy=policy)
+        for t in range(3):
+            tree.insert(key([t]), [t], mamba_device_slot=10 + t)
+        tree.match_prefix(key([0]))  # touched after its entry was stored
+        digest = tree.digest()
+        head = tree.eviction_head(EvictTarget.DEVICE_KV)
+        assert head is not None
+        assert tree.eviction_key(head[-1], EvictTarget.DEVICE_KV) == head[:-1]
+        first = tree.node_at(key([0]))
+        assert first is not None
+        k0 = tree.eviction_key(first, EvictTarget.MAMBA_HOST)  # not a candidate there
+        assert k0[-1] == first.id and k0 > head[:-1]  # touched: ranked after the head
+        assert tree.digest() == digest
+        tree.check_integrity()
+    with pytest.raises(ValueError, match="live non-sentinel"):
+        tree.eviction_key(tree.match_prefix(key([9])).last_node, EvictTarget.DEVICE_KV)
+
+
 def test_mamba_tier_transitions() -> None:
     tree = RadixTree(1, has_mamba=True)
     n = tree.insert(key([1]), [0], mamba_device_slot=3).node
