@@ -152,3 +152,21 @@ def test_prompts_file_times_select_the_scheduler(tmp_path, monkeypatch):
     ((config, trace),) = stub.seen
     assert config.realtime and config.max_running == 1
     assert [(t.arrival_s, t.think_s) for t in trace] == [(0.02, 0.0), (None, 0.01)]
+
+
+def test_batched_timed_serve_equals_sequential(tmp_path):
+    """The real scheduler: 3 in flight, Poisson arrivals; the same tokens as one by one,
+    TTFT counted from each arrival, the summary's throughput over the whole run."""
+    seq = _main(tmp_path, "seq")
+    got = _main(tmp_path, "load", "--concurrency", "3", "--request-rate", "20", "--think-s", "0.02")
+    assert [r["output_ids"] for r in got["requests"]] == [r["output_ids"] for r in seq["requests"]]
+    firsts = [r for r in got["requests"] if r["turn"] == 0]
+    plain = serve.workload(serve.build_parser().parse_args(TINY), PRESETS["tiny"].vocab_size)
+    planned = [t.arrival_s for t in with_arrivals(plain, 20.0, seed=0) if t.turn == 0]
+    # Served no earlier than planned (real time), TTFT from arrival.
+    for r, when in zip(firsts, planned, strict=True):
+        assert r["arrival_s"] >= when - 1e-6
+        assert r["ttft_s"] == pytest.approx(r["first_token_s"] - r["arrival_s"])
+    s = got["summary"]
+    assert s["wall_s"] >= max(r["finish_s"] for r in got["requests"]) - 1e-6
+    assert s["throughput_rps"] == pytest.approx(len(got["requests"]) / s["wall_s"])
