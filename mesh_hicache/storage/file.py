@@ -39,7 +39,7 @@ import torch
 
 from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
 from mesh_hicache.storage.file_cap import RecencyCap
-from mesh_hicache.storage.file_read import read_ranges, read_whole
+from mesh_hicache.storage.file_read import GAP_BYTES, read_ranges, read_whole
 from mesh_hicache.storage.file_tree import scan_tree, temp_names
 from mesh_hicache.storage.keys import StorageKey, check_key_str
 from mesh_hicache.storage.objects import (
@@ -97,6 +97,8 @@ class FileStorage(StorageBackend):
     default: the checksum already turns a torn file after a crash into a miss).
     ``stale_tmp_s``: age after which any temp file counts as abandoned. ``secret`` /
     ``secret_file``: seal objects with a keyed MAC (``base.load_secret``).
+    ``read_gap_bytes``: a ranged read also reads (and checks) gaps shorter than this
+    between the chunks it needs (``file_read.GAP_BYTES``; 0: only those chunks).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class FileStorage(StorageBackend):
         stale_tmp_s: float = 3600.0,
         secret: bytes | str | None = None,
         secret_file: str | os.PathLike[str] | None = None,
+        read_gap_bytes: int = GAP_BYTES,
     ) -> None:
         super().__init__(secret=load_secret(secret, secret_file))
         if max_bytes is not None and (
@@ -121,6 +124,11 @@ class FileStorage(StorageBackend):
             raise ValueError(f"FileStorage low_watermark must be in (0, 1], got {low_watermark!r}")
         if not stale_tmp_s > 0:
             raise ValueError(f"FileStorage stale_tmp_s must be > 0, got {stale_tmp_s!r}")
+        if isinstance(read_gap_bytes, bool) or not isinstance(read_gap_bytes, int):
+            raise TypeError(f"FileStorage read_gap_bytes must be an int, got {read_gap_bytes!r}")
+        if read_gap_bytes < 0:
+            raise ValueError(f"FileStorage read_gap_bytes must be >= 0, got {read_gap_bytes}")
+        self._read_gap = read_gap_bytes
         if not str(root):
             raise ValueError("FileStorage root must not be empty")
         self._root = Path(root).resolve()
@@ -267,7 +275,7 @@ class FileStorage(StorageBackend):
             if ranges is None:
                 got = read_whole(fd, st.st_size, self.codec, key_str, view)
             else:
-                got = read_ranges(fd, st.st_size, self.codec, key_str, view, ranges)
+                got = read_ranges(fd, st.st_size, self.codec, key_str, view, ranges, self._read_gap)
         except ObjectError as err:
             os.close(fd)
             self._record_corrupt(err.kind, key_str, str(err))
@@ -284,8 +292,9 @@ class FileStorage(StorageBackend):
     def _put_one(self, dirs: DirCache, key: StorageKey, src: torch.Tensor) -> bool:
         key_str = check_key_str(key.to_str())
         view = tensor_bytes(src)
-        chunk = chunk_bytes_for(src.shape, src.element_size())
-        size = HEADER_SIZE + view.nbytes + table_size(view.nbytes, chunk, self.codec.keyed)
+        chunk = self._chunk_bytes(src)
+        size = HEADER_SIZE + view.nbytes
+        size += 0 if chunk is None else table_size(view.nbytes, chunk, self.codec.keyed)
         if self._max_bytes is not None and size > self._max_bytes:
             self._drop("too large", f"object of {size} bytes exceeds max_bytes={self._max_bytes}")
             return False
@@ -304,8 +313,10 @@ class FileStorage(StorageBackend):
                 self._cap.touch(d, name, st.st_mtime_ns)
                 self._count(already_present=1)
                 return True
-            header = self.codec.encode_header(key_str, view, chunked=True)
-            table = self.codec.encode_table(key_str, view, chunk)
+            if chunk is None:
+                header, table = self.codec.encode_header(key_str, view), b""
+            else:
+                header, table = self.codec.encode_chunked(key_str, view, chunk)
             self._write_atomic(dirs, dir_parts, name, header, view, table)
         except UnsafeEntry as bad:
             self._record_unsafe(bad.kind, bad.where, miss=False)
@@ -322,6 +333,11 @@ class FileStorage(StorageBackend):
             self._cap.wrote(size)
             self._enforce_cap(force=False)
         return True
+
+    def _chunk_bytes(self, src: torch.Tensor) -> int | None:
+        """The chunk size of ``src``'s table (None: a format version 1 object, no table;
+        ``scripts/bench_storage.py``'s version 1 writer returns None)."""
+        return chunk_bytes_for(src.shape, src.element_size())
 
     def _write_atomic(
         self,

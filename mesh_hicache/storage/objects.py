@@ -34,12 +34,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from mesh_hicache.storage import native_crc
 
 OBJECT_MAGIC = b"MHC\x01"
 OBJECT_FORMAT_VERSION = 2
@@ -96,7 +100,7 @@ def payload_checksum(payload: bytes | bytearray | memoryview) -> bytes:
     than BLAKE2b on the hot path (measured ~3 GB/s vs ~0.7 GB/s per core). It does not
     stop a writer of the store from forging objects: set a secret for that.
     """
-    return struct.pack("<I12x", zlib.crc32(payload))
+    return struct.pack("<I12x", native_crc.crc32(memoryview(payload).cast("B")))
 
 
 def chunk_bytes_for(shape: Sequence[int], itemsize: int) -> int:
@@ -109,24 +113,53 @@ def chunk_bytes_for(shape: Sequence[int], itemsize: int) -> int:
 
 
 def chunk_spans(
-    ranges: Sequence[tuple[int, int]], nbytes: int, chunk_bytes: int
+    ranges: Sequence[tuple[int, int]], nbytes: int, chunk_bytes: int, gap: int = 0
 ) -> list[tuple[int, int]]:
     """Merged ``[start, stop)`` spans on chunk bounds of a ``nbytes`` payload that cover
     ``ranges`` (``(offset, length)`` pairs): what a ranged read fetches and verifies.
-    ValueError for a range outside the payload."""
+    Spans closer than ``gap`` bytes are merged too (the gap is then read along). One numpy
+    pass for many ranges (a reader of one head in a KV page row has one per token and
+    layer). ValueError for a range outside the payload."""
     c = chunk_bytes
+    if len(ranges) > 16:
+        return _spans_np(ranges, nbytes, c, gap)
     out: list[tuple[int, int]] = []
     for off, length in sorted(ranges):
         if off < 0 or length < 0 or off + length > nbytes:
             raise ValueError(f"range ({off}, {length}) outside a {nbytes}-byte payload")
         if not length:
             continue
-        a, b = off // c * c, min(-(-(off + length) // c) * c, nbytes)
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
+        lo, hi = off // c * c, min(-(-(off + length) // c) * c, nbytes)
+        if out and lo - out[-1][1] < max(gap, 1):
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
         else:
-            out.append((a, b))
+            out.append((lo, hi))
     return out
+
+
+def _spans_np(
+    ranges: Sequence[tuple[int, int]], nbytes: int, c: int, gap: int
+) -> list[tuple[int, int]]:
+    """``chunk_spans`` of many ranges in one numpy pass (same result as its loop)."""
+    flat = itertools.chain.from_iterable(ranges)  # ~2x faster than np.asarray
+    r = np.fromiter(flat, dtype=np.int64, count=2 * len(ranges)).reshape(-1, 2)
+    off, length = r[:, 0], r[:, 1]
+    bad = (off < 0) | (length < 0) | (off + length > nbytes)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"range {tuple(r[i].tolist())} outside a {nbytes}-byte payload")
+    r = r[length > 0]
+    if not len(r):
+        return []
+    r = r[np.argsort(r[:, 0], kind="stable")]
+    a = r[:, 0] // c * c
+    b = np.minimum(-(-(r[:, 0] + r[:, 1]) // c) * c, nbytes)
+    reach = np.maximum.accumulate(b)
+    new = np.ones(len(a), dtype=bool)
+    new[1:] = a[1:] - reach[:-1] >= max(gap, 1)
+    starts = np.flatnonzero(new)
+    stops = np.append(starts[1:], len(a)) - 1
+    return list(zip(a[starts].tolist(), reach[stops].tolist(), strict=True))
 
 
 def table_size(nbytes: int, chunk_bytes: int, keyed: bool) -> int:
@@ -155,15 +188,26 @@ class ChunkTable:
     tags: bytes
     keyed: bool
 
-    def spans(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    def spans(self, ranges: Sequence[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:
         """``chunk_spans`` of ``ranges`` for this table's payload."""
-        return chunk_spans(ranges, self.nbytes, self.chunk_bytes)
+        return chunk_spans(ranges, self.nbytes, self.chunk_bytes, gap)
 
     def check(self, payload: memoryview, spans: Sequence[tuple[int, int]]) -> None:
         """Raise ObjectError ("checksum"/"mac") unless every chunk of ``spans`` in
         ``payload`` (the whole payload's view, only those spans filled) matches."""
         width = 8 if self.keyed else 4
         c = self.chunk_bytes
+        if not self.keyed:  # one native call per span where available
+            for a, b in spans:
+                bad = native_crc.first_bad_chunk(payload, c, a // c, -(-b // c), self.tags)
+                if bad is None:
+                    break
+                if bad >= 0:
+                    raise ObjectError(
+                        "checksum", f"chunk {bad} of a ranged read does not match its tag"
+                    )
+            else:
+                return
         for a, b in spans:
             for start in range(a, b, c):
                 i = start // c
@@ -240,15 +284,39 @@ class ObjectCodec:
 
     def encode_table(self, key: str, payload: memoryview, chunk_bytes: int) -> bytes:
         """The chunk table between header and ``payload`` in a format version 2 object."""
+        return self.encode_chunked(key, payload, chunk_bytes)[1]
+
+    def encode_chunked(
+        self, key: str, payload: memoryview, chunk_bytes: int
+    ) -> tuple[bytes, bytes]:
+        """``(header, table)`` of a format version 2 object: ``encode_header(...,
+        chunked=True)`` and ``encode_table`` in one pass over the payload where the native
+        loop serves (CRC32 tags: ``native_crc.chunk_crcs`` gives the chunk CRCs and the
+        whole payload's CRC together)."""
         assert chunk_bytes > 0
-        n = payload.nbytes
-        chunks = [payload[i : i + chunk_bytes] for i in range(0, n, chunk_bytes)]
-        if self.keyed:
-            tags = b"".join([hashlib.blake2b(c, digest_size=8).digest() for c in chunks])
-        else:  # one C call per chunk, one pack: ~2.6x faster than a per-chunk helper
-            tags = struct.pack(f"<{len(chunks)}I", *map(zlib.crc32, chunks))
+        view = memoryview(payload).cast("B")
+        digest = key_digest(key)
+        n = view.nbytes
+        fast = None if self.keyed else native_crc.chunk_crcs(view, chunk_bytes)
+        if fast is not None:
+            tags, whole = fast
+            tag = struct.pack("<I12x", whole)
+        else:
+            tags = self._chunk_tags(view, chunk_bytes)
+            tag = self.tag(digest, view)
+        flags = FLAG_MAC if self.keyed else 0
+        header = _HEADER.pack(OBJECT_MAGIC, OBJECT_FORMAT_VERSION, flags, digest, n, tag)
         body = _TABLE_HEAD.pack(n, chunk_bytes, -(-n // chunk_bytes)) + tags
-        return body + self._table_tag(key_digest(key), body)
+        return header, body + self._table_tag(digest, body)
+
+    def _chunk_tags(self, view: memoryview, chunk_bytes: int) -> bytes:
+        # A generator, not a list: thousands of live memoryviews trigger the cyclic GC
+        # (measured 4 us per chunk of a 4 MiB row with a list, ~0.3 us without).
+        chunks = (view[i : i + chunk_bytes] for i in range(0, view.nbytes, chunk_bytes))
+        if self.keyed:
+            return b"".join([hashlib.blake2b(c, digest_size=8).digest() for c in chunks])
+        count = -(-view.nbytes // chunk_bytes)
+        return struct.pack(f"<{count}I", *map(zlib.crc32, chunks))
 
     def decode_header(self, key: str, header: bytes | bytearray | memoryview) -> ObjectHeader:
         """Check a header read for ``key``.
