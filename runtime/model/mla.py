@@ -255,16 +255,20 @@ class MLAttention:
     def decode(self, x: Tensor, states: Sequence[SeqState], cp: AxisComm, tp: AxisComm) -> Tensor:
         """One token per state, ``x`` ``[B, D]`` (row i at ``states[i].num_tokens``), the same
         on every cp rank: projections batched, top-k and attention per sequence. Under
-        ``shard`` each prefix is all-gathered (top-k needs every indexer key) and only the
-        token's owner stores it."""
+        ``shard`` the prefixes are all-gathered, every state's in one collective (top-k
+        needs every indexer key), and only the token's owner stores it."""
         lid, rows = self.layer_id, self.rows
         positions = torch.tensor([s.num_tokens for s in states], device=x.device)
         q, q_idx, w_idx, latent, k_idx = self._project_in(x, positions)
+        # Every state's prefix (latents, indexer keys): one cp gather for the batch.
+        prefixes = rows.gather_batch(list(states), ("latent", "index_k"), lid, cp)
         outs = []
         for i, state in enumerate(states):
             pos, one = state.num_tokens, slice(i, i + 1)
-            latent_all = rows.extend(state, "latent", lid, latent[one], pos, cp)
-            k_idx_all = rows.extend(state, "index_k", lid, k_idx[one], pos, cp)
+            rows.append(state, "latent", lid, latent[one], pos, cp)
+            rows.append(state, "index_k", lid, k_idx[one], pos, cp)
+            latent_all = torch.cat([prefixes[i][0], latent[one]])
+            k_idx_all = torch.cat([prefixes[i][1], k_idx[one]])
             allowed = self._select(q_idx[one], w_idx[one], k_idx_all, positions[one])
             outs.append(self._attend(q[one], latent_all, allowed, x.dtype))
         return tp.all_reduce(F.linear(torch.cat(outs), self.wo))

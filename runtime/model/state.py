@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -110,13 +111,14 @@ class AttentionRows:
         """Whether this rank keeps only its own tokens (``shard`` with cp > 1)."""
         return self.cp_kv == "shard" and cp.size > 1
 
-    def num_kept(self, num_tokens: int, cp: AxisComm) -> int:
-        """How many of the first ``num_tokens`` tokens this rank keeps."""
+    def num_kept(self, num_tokens: int, cp: AxisComm, rank: int | None = None) -> int:
+        """How many of the first ``num_tokens`` tokens cp ``rank`` (default: this one) keeps."""
         if not self.sharded(cp):
             return num_tokens
+        rank = cp.rank if rank is None else rank
         ps, per = self.page_size, self.page_size // cp.size
         full, rest = divmod(num_tokens, ps)
-        return full * per + min(max(rest - cp.rank * per, 0), per)
+        return full * per + min(max(rest - rank * per, 0), per)
 
     def read(self, state: SeqState, name: str, layer: int, num_tokens: int, cp: AxisComm) -> Tensor:
         """This rank's rows of the first ``num_tokens`` tokens, in position order
@@ -192,6 +194,31 @@ class AttentionRows:
         for positions, part in zip(owned, parts, strict=True):
             full[positions.to(full.device)] = part
         return full
+
+    def gather_batch(
+        self, states: list[SeqState], names: tuple[str, ...], layer: int, cp: AxisComm
+    ) -> list[list[Tensor]]:
+        """:meth:`gather` of every ``names`` field of every state's first ``num_tokens``
+        tokens, in ONE collective for the batch under ``shard`` (the fields' rows are packed
+        side by side, the states one after another). Returns ``[state][name]`` tensors."""
+        local = [[self.read(s, n, layer, s.num_tokens, cp) for n in names] for s in states]
+        if not self.sharded(cp):
+            return local
+        shapes = [t.shape[1:] for t in local[0]]
+        widths = [math.prod(shape) for shape in shapes]
+        packed = torch.cat([torch.cat([t.flatten(1) for t in rows], dim=1) for rows in local])
+        counts = [[self.num_kept(s.num_tokens, cp, r) for s in states] for r in range(cp.size)]
+        parts = cp.all_gather_ragged(packed, [sum(c) for c in counts])
+        full = [packed.new_empty((s.num_tokens, packed.shape[1])) for s in states]
+        for r, part in enumerate(parts):
+            for i, piece in enumerate(part.split(counts[r])):
+                n = states[i].num_tokens
+                positions = kv_shard_positions(n, self.page_size, cp.size, r)
+                full[i][positions.to(packed.device)] = piece
+        return [
+            [f.reshape(-1, *shape) for f, shape in zip(rows.split(widths, 1), shapes, strict=True)]
+            for rows in full
+        ]
 
 
 def _pool(table: PageTable, name: str, layer: int) -> Tensor:
