@@ -280,10 +280,11 @@ class MooncakeStorage(RangedGets, StorageBackend):
         sizes: list[list[int]] = []
         for j, i in enumerate(todo):
             # Header and chunk table (format version 2) in front of the payload.
-            chunk = regions[j] > HEADER_SIZE
-            head = self.codec.encode_header(names[i], views[i], chunked=chunk)
-            if chunk:
-                head += self.codec.encode_table(names[i], views[i], _chunk_of(src[i]))
+            if regions[j] > HEADER_SIZE:  # one pass for header + table (objects.py)
+                hdr, table = self.codec.encode_chunked(names[i], views[i], _chunk_of(src[i]))
+                head = hdr + table
+            else:
+                head = self.codec.encode_header(names[i], views[i])
             header_bytes[offsets[j] : offsets[j] + regions[j]] = head
             nbytes = views[i].nbytes
             if nbytes == 0:
