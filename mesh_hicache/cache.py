@@ -118,6 +118,25 @@ class CachedRequest:
         return self._lease.served
 
     @property
+    def held_pages(self) -> list[int]:
+        """Device pages of the tree path the request holds locked (its matched prefix, or
+        after ``insert`` the inserted one), root first, up to the first node not on device.
+        After an insert that found pages already cached these are the tree's pages, not
+        the ones the request passed (which were freed). Replicated state: equal on every
+        rank."""
+        chain = []
+        node = self._lease.locked[-1] if self._lease.locked else None
+        while node is not None and not node.is_sentinel:
+            chain.append(node)
+            node = node.parent
+        pages: list[int] = []
+        for n in reversed(chain):
+            if n.device_indices is None:
+                break
+            pages.extend(n.device_indices)
+        return pages
+
+    @property
     def prefetch_done(self) -> bool:
         """No L3 prefetch of this request is still reading on this rank. Rank-local: a
         scheduler agrees it over the mesh before acting on it (``load`` applies the stop

@@ -119,9 +119,9 @@ class RequestRun:
         run.release()                                # always (also on errors)
 
     ``alloc`` places the Mamba checkpoints (docs/DESIGN.md section 9) and builds the state;
-    the last prefill chunk inserts the prompt's pages and checkpoints (contiguous state;
-    a paged state inserts everything in ``finish``: the tree may free pages it already
-    holds, and a paged state still reads its own until it is done).
+    the last prefill chunk inserts the prompt's pages and checkpoints, so requests that
+    arrive meanwhile hit them; where the tree already held a page the request reads the
+    tree's from then on (its own duplicate was freed by the insert).
     """
 
     def __init__(
@@ -306,8 +306,7 @@ class RequestRun:
         if end == n:
             self.t_first = time.perf_counter()
             self.first_logits = logits
-            if not self.paged:
-                self._insert_prompt()
+            self._insert_prompt()
             self._take(logits)
         return end - start
 
@@ -339,34 +338,42 @@ class RequestRun:
     def _insert_prompt(self) -> None:
         if self.pages is None or self.cache is None or self.req is None:
             return
-        cache, req, pages, ps = self.cache, self.req, self.pages, self.model.page_size
-        assert self.state is not None
-        prompt = self.prompt
+        cache, ps, prompt = self.cache, self.model.page_size, self.prompt
         if not self.paged:
             self._write_kv(self.prefix, len(prompt))
         for cp in self.checkpoints:
-            cache.insert(req, prompt[: cp.num_tokens], pages[: cp.num_tokens // ps], cp.slot)
+            self._insert(prompt[: cp.num_tokens], cp.slot)
         if not cache.spec.has_mamba and len(prompt) >= ps:
-            n = len(prompt) // ps * ps
-            cache.insert(req, prompt[:n], pages[: n // ps])
+            self._insert(prompt[: len(prompt) // ps * ps])
+
+    def _insert(self, tokens: list[int], slot: int | None = None) -> None:
+        """Insert ``tokens`` (whole pages) with the request's pages for them. Where the
+        tree already held a page (its duplicate here was freed), point the request at the
+        tree's page: the same tokens' rows, and a paged state keeps reading them."""
+        assert self.cache is not None and self.req is not None and self.pages is not None
+        n = len(tokens) // self.model.page_size
+        self.cache.insert(self.req, tokens, self.pages[:n], slot)
+        held = self.req.held_pages[:n]
+        assert len(held) == n, (len(held), n)
+        for i, page in enumerate(held):
+            if self.pages[i] != page:
+                self.pages[i] = page
+                if self.state is not None and self.state.pages is not None:
+                    self.state.pages.pages[i] = page
 
     def finish(self) -> RequestResult:
         """Write and insert what decode added (and, paged, the prompt); the result."""
         assert self.done and self.state is not None and self.first_logits is not None
-        cache, req, pages, ps = self.cache, self.req, self.pages, self.model.page_size
-        if pages is not None and cache is not None and req is not None:
-            if self.paged:
-                self._insert_prompt()
-            else:
+        cache, req, ps = self.cache, self.req, self.model.page_size
+        if self.pages is not None and cache is not None and req is not None:
+            if not self.paged:
                 self._write_kv(len(self.prompt), self.state.num_tokens)
             full = self.prompt + self.output
             num_tokens = self.state.num_tokens
             if self.boundary is not None:
-                n = self.boundary.num_tokens
-                cache.insert(req, full[:n], pages[: n // ps], self.boundary.slot)
+                self._insert(full[: self.boundary.num_tokens], self.boundary.slot)
             elif not cache.spec.has_mamba and num_tokens >= ps:
-                n = num_tokens // ps * ps
-                cache.insert(req, full[:n], pages[: n // ps])
+                self._insert(full[: num_tokens // ps * ps])
         served = req.served if req is not None else (0, 0, 0)
         now = time.perf_counter()
         return RequestResult(
@@ -454,15 +461,12 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
     def start(self, turn: Turn) -> RequestRun:
-        """The run of ``turn``: its prompt is its session's history + its user tokens."""
+        """The run of ``turn`` (nothing matched yet): its prompt is its session's history +
+        its user tokens; a ``stop_token`` ends it after that token."""
         prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
-        return self.request(
-            prompt,
-            turn.namespace,
-            max_new_tokens=turn.max_new_tokens,
-            tenant=turn.tenant,
-            on_token=None if turn.stop_token is None else stop_at(turn.stop_token),
-        )
+        hook = None if turn.stop_token is None else stop_at(turn.stop_token)
+        num_new = self.max_new_tokens if turn.max_new_tokens is None else turn.max_new_tokens
+        return RequestRun(self, prompt, turn.namespace, turn.tenant, num_new, hook)
 
     def finish(self, turn: Turn, run: RequestRun) -> RequestResult:
         """``run.finish()`` labelled with ``turn``; the session's history grows by its answer."""
@@ -470,19 +474,6 @@ class Engine:
         result.request_id, result.session, result.turn = turn.request_id, turn.session, turn.turn
         self.histories[turn.session] = run.prompt + result.output_ids
         return result
-
-    def request(
-        self,
-        prompt: Sequence[int],
-        namespace: str = "",
-        *,
-        max_new_tokens: int | None = None,
-        tenant: str | None = None,
-        on_token: TokenHook | None = None,
-    ) -> RequestRun:
-        """A :class:`RequestRun` (nothing is matched yet); arguments as for :meth:`serve`."""
-        num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        return RequestRun(self, prompt, namespace, tenant, num_new, on_token)
 
     def run(
         self, trace: Sequence[Turn], progress: Callable[[RequestResult], None] | None = None
@@ -523,9 +514,8 @@ class Engine:
         there (that token is the last of ``output_ids``; no decode step is spent after
         it). ``tenant``: the request's cache tenant (None: the cache's; see
         ``HiCache.match``)."""
-        run = self.request(
-            prompt, namespace, max_new_tokens=max_new_tokens, tenant=tenant, on_token=on_token
-        )
+        num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        run = RequestRun(self, prompt, namespace, tenant, num_new, on_token)
         try:
             self._drive(run)
             return run.finish()

@@ -54,6 +54,16 @@ def _compare(label: str, tier: str, result: RequestResult, prompt: list[int], re
     return Check(label, tier, cached[tier], float(diff), result.output_ids == expected.output_ids)
 
 
+def _model(topology: MeshTopology, cp_kv: str, checkpoint: str | None) -> HybridModel:
+    """``tiny`` (seeded), or the Hugging Face checkpoint in directory ``checkpoint``."""
+    if checkpoint is None:
+        return HybridModel(preset("tiny"), topology, cp_kv=cp_kv, page_size=PAGE)
+    from runtime.checkpoints import load_checkpoint
+
+    ckpt = load_checkpoint(checkpoint)
+    return HybridModel(ckpt.config, topology, cp_kv=cp_kv, page_size=PAGE, weights=ckpt.weights)
+
+
 def resume_scenarios(
     topology: MeshTopology,
     cp_kv: str = "replicate",
@@ -67,15 +77,8 @@ def resume_scenarios(
     ``budget``: L1 and L2 are byte budgets (one arena each) instead of page/slot counts,
     sized so that L1 again holds about one request.
     """
-    if checkpoint is None:
-        config = preset("tiny")
-        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE)
-    else:
-        from runtime.checkpoints import load_checkpoint
-
-        ckpt = load_checkpoint(checkpoint)
-        config = ckpt.config
-        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE, weights=ckpt.weights)
+    model = _model(topology, cp_kv, checkpoint)
+    config = model.config
     ref = Engine(model, None, max_new_tokens=4, keep_logits=True)
     spec = config.state_spec(PAGE)
     root = root or tempfile.mkdtemp(prefix="mh_engine_")
@@ -179,15 +182,8 @@ def batched_vs_sequential(
     from runtime.scheduler import Scheduler, SchedulerConfig
     from runtime.workloads import Turn
 
-    if checkpoint is None:
-        config = preset("tiny")
-        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE)
-    else:
-        from runtime.checkpoints import load_checkpoint
-
-        ckpt = load_checkpoint(checkpoint)
-        config = ckpt.config
-        model = HybridModel(config, topology, cp_kv=cp_kv, page_size=PAGE, weights=ckpt.weights)
+    model = _model(topology, cp_kv, checkpoint)
+    config = model.config
     trace: list[Turn] = mixed_trace(config.vocab_size)
     sizes: list[int] = []
     chunks: list[int] = []
