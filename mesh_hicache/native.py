@@ -69,21 +69,36 @@ int mh_chain(const unsigned char *prefix, const unsigned char *parent,
 
 /* Segments [s0, s1) of a table of rows of 6 int64 (device address, device stride, host
    address, host stride, row bytes, 1 if indexed by pages else 0): for each, row
-   dev[i] <-> host[i] of the page (pd, ph: np pairs) or slot (sd, sh: ns pairs) indices,
-   device -> host when backup. Indices were checked against the pools by the caller. */
-void mh_copy_segments(const long long *table, size_t s0, size_t s1, const long long *pd,
-                      const long long *ph, size_t np, const long long *sd,
-                      const long long *sh, size_t ns, int backup) {
-    size_t s, i, n;
-    for (s = s0; s < s1; s++) {
-        const long long *t = table + 6 * s;
-        const long long *d = t[5] ? pd : sd, *h = t[5] ? ph : sh;
-        char *dev = (char *)(size_t)t[0], *host = (char *)(size_t)t[2];
-        size_t row = (size_t)t[4];
-        n = t[5] ? np : ns;
-        for (i = 0; i < n; i++) {
-            char *a = dev + d[i] * t[1], *b = host + h[i] * t[3];
-            if (backup) memcpy(b, a, row); else memcpy(a, b, row);
+   dev[i] <-> host[i] of the page pairs (pages: np device indices, then np host indices)
+   or slot pairs (slots: ns + ns), device -> host when backup. Index pair by index pair,
+   every segment of it (one page's rows of consecutive segments are one block of the
+   page-first host pool); a run of pairs consecutive on both sides is one memcpy in a
+   segment whose rows are contiguous on both sides. Indices were checked by the caller. */
+void mh_copy_segments(const long long *table, size_t s0, size_t s1, const long long *pages,
+                      size_t np, const long long *slots, size_t ns, int backup) {
+    size_t s, i, j, k;
+    int paged;
+    for (paged = 1; paged >= 0; paged--) {
+        const long long *d = paged ? pages : slots;
+        size_t n = paged ? np : ns;
+        const long long *h = d + n;
+        for (i = 0; i < n; i = j) {
+            for (j = i + 1; j < n && d[j] == d[j - 1] + 1 && h[j] == h[j - 1] + 1; j++) {}
+            for (s = s0; s < s1; s++) {
+                const long long *t = table + 6 * s;
+                char *a, *b;
+                size_t row = (size_t)t[4];
+                if (t[5] != paged) continue;
+                a = (char *)(size_t)t[0] + d[i] * t[1];
+                b = (char *)(size_t)t[2] + h[i] * t[3];
+                if ((size_t)t[1] == row && (size_t)t[3] == row) {
+                    if (backup) memcpy(b, a, row * (j - i)); else memcpy(a, b, row * (j - i));
+                    continue;
+                }
+                for (k = i; k < j; k++, a += t[1], b += t[3]) {
+                    if (backup) memcpy(b, a, row); else memcpy(a, b, row);
+                }
+            }
         }
     }
 }
@@ -192,7 +207,7 @@ def _build() -> ctypes.CDLL | None:
     dll.mh_copy_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t]
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     dll.mh_copy_segments.restype = None
-    dll.mh_copy_segments.argtypes = [vp, sz, sz, vp, vp, sz, vp, vp, sz, ctypes.c_int]
+    dll.mh_copy_segments.argtypes = [vp, sz, sz, vp, sz, vp, sz, ctypes.c_int]
     return dll
 
 
@@ -241,11 +256,13 @@ def row_copier() -> Callable[[int, int, int, int], None] | None:
 
 
 def segment_copier() -> Callable[..., None] | None:
-    """``copy(table, s0, s1, pd, ph, np, sd, sh, ns, backup)``: every row of segments
+    """``copy(table, s0, s1, pages, np, slots, ns, backup)``: every row of segments
     ``[s0, s1)`` of a ``[S, 6]`` int64 table (device address, device stride, host address,
-    host stride, row bytes, paged) for the page pairs ``(pd[i], ph[i])`` / slot pairs
-    ``(sd[i], sh[i])`` (addresses of int64 arrays), in one native call with the GIL
-    released; None when unavailable. Raw memory: the caller checked every index."""
+    host stride, row bytes, paged) for the ``np`` page pairs at ``pages`` (an int64 block:
+    device indices, then host indices) and the ``ns`` slot pairs at ``slots``, in one
+    native call with the GIL released; runs consecutive on both sides are one copy where
+    the segment's rows are contiguous on both sides. None when unavailable. Raw memory:
+    the caller checked every index."""
     dll = _dll if _tried else _load()
     return None if dll is None else dll.mh_copy_segments
 

@@ -145,6 +145,17 @@ def old_engine_factory(rev: str, tmp: str) -> tuple[Callable[..., Any] | None, s
     return make, ""
 
 
+def pin() -> int | None:
+    """Pin this process (the baseline's thread, the caller and the engine's worker, which
+    inherits it) to one CPU, the last it may use; returns it. One core for both sides: the
+    engine cannot borrow a second core the one-thread baseline does not get."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
 def build(page_size: int, layers: int, heads: int, head_dim: int, pages: int, device: str):
     spec = StateSpec(
         page_size=page_size,
@@ -397,6 +408,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)  # the baseline is ONE thread; the CPU engine uses one worker
+    pinned = pin()
     if args.seal:
         seal = bench_seal_cost(args)
         print_seal_table(seal)
@@ -422,6 +434,8 @@ def main() -> None:
         "engine": str(TransferBackend(device)),
         "device": device,
         "torch_threads": torch.get_num_threads(),
+        "pinned_cpu": pinned,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "min_ratio_at_4mib_plus": min(
             (min(r["new_backup_ratio"], r["new_load_ratio"]) for r in big), default=None
         ),

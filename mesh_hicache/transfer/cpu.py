@@ -46,6 +46,7 @@ class CpuTransferEngine(TransferEngine):
     """Thread-backed engine for pools on the CPU (tests, CPU-only runs)."""
 
     kind = "cpu"
+    inline_bytes = SINGLE_PASS_BYTES
 
     def __init__(self, device_pools: DevicePools, host_pools: HostPools) -> None:
         if device_pools.device.type != "cpu":
@@ -54,6 +55,7 @@ class CpuTransferEngine(TransferEngine):
         #: One native call per layer's rows (mesh_hicache/native.py), or None: the numpy
         #: address paths below.
         self._copy_segments = native.segment_copier()
+        self._table_ptr = self.segments.native_table.ctypes.data
         #: One native call per list of rows (mesh_hicache/native.py), or None: memmove per row.
         self._copy_rows = native.row_copier()
 
@@ -62,10 +64,9 @@ class CpuTransferEngine(TransferEngine):
         layer (the loop computes each row's addresses from the segment table), or one call
         for a whole backup or small load."""
         table = self.segments
-        ptr = table.native_table.ctypes.data
-        (pd, ph), (sd, sh) = op.pages, op.slots
-        idx = (pd.ctypes.data, ph.ctypes.data, pd.shape[0], sd.ctypes.data, sh.ctypes.data)
-        args = (*idx, sd.shape[0], int(op.backup))
+        ptr = self._table_ptr
+        (pa, sa), np_, ns = op.addrs, op.pages[0].shape[0], op.slots[0].shape[0]
+        args = (pa, np_, sa, ns, int(op.backup))
         bounds, last = table.layer_bounds, len(self.layer_ids) - 1
         if (op.backup or table.op_bytes(op.pages, op.slots) <= SINGLE_PASS_BYTES) and not op.inject:
             fn(ptr, 0, bounds[-1], *args)

@@ -43,6 +43,7 @@ import abc
 import collections
 import enum
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,8 +194,11 @@ class InjectedFailure(RuntimeError):
 class _Op:
     handle: TransferHandle
     pages: tuple[IndexArray, IndexArray]
-    """(device, host) page indices, int64, validated."""
+    """(device, host) page indices, int64, validated: views of one block, device indices
+    then host indices, at address ``addrs[0]`` (0 when empty)."""
     slots: tuple[IndexArray, IndexArray]
+    addrs: tuple[int, int] = (0, 0)
+    """Addresses of the page and slot index blocks (for the native copy loop)."""
     fail_at: int | None = None
     inject: bool = False
     steps: Iterator[None] | None = None
@@ -212,6 +216,7 @@ _NO_INDICES.flags.writeable = False
 #: Up to this many indices, bounds are checked on the Python ints (two C loops over a short
 #: list cost less than two numpy reductions).
 _SHORT = 32
+_SEQ = (list, tuple)
 
 
 def _index_array(values: IndexList) -> IndexArray:
@@ -222,6 +227,23 @@ def _index_array(values: IndexList) -> IndexArray:
     return np.array(values, dtype=np.int64, copy=True).reshape(-1)
 
 
+def _index_block(pair: IndexPair) -> tuple[IndexArray, IndexArray, int] | None:
+    """(device, host, address) of two equal-length lists/tuples of ints packed into one
+    ``array('q')`` (device indices, then host indices; the views keep it alive), or None
+    for anything else (the numpy path then converts and names the problem)."""
+    d, h = pair
+    if type(d) not in _SEQ or type(h) not in _SEQ or len(d) != len(h):
+        return None
+    try:
+        block = array("q", d)
+        block.extend(h)
+    except (TypeError, OverflowError):
+        return None
+    n = len(d)
+    view = np.frombuffer(block, dtype=np.int64)
+    return view[:n], view[n:], block.buffer_info()[0]
+
+
 class TransferEngine(abc.ABC):
     """Moves pages and slots between ``device_pools`` and ``host_pools`` (see module doc).
 
@@ -230,6 +252,11 @@ class TransferEngine(abc.ABC):
     """
 
     kind: str = "abstract"
+    #: An operation of at most this many bytes submitted while the engine is idle (nothing
+    #: queued, no one copying) is copied by the submitting thread before ``backup``/``load``
+    #: return: cheaper than handing it to the worker (a thread wake-up costs more than
+    #: copying it). 0: never (the CUDA engine: its copies are queued on a stream anyway).
+    inline_bytes: int = 0
 
     def __init__(self, device_pools: DevicePools, host_pools: HostPools) -> None:
         if device_pools.layout is not host_pools.layout:
@@ -323,46 +350,87 @@ class TransferEngine(abc.ABC):
         self, kind: TransferKind, kv_pages: IndexPair, mamba_slots: IndexPair
     ) -> TransferHandle:
         dev, host = self.device_pools, self.host_pools
-        pages = self._indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
-        slots = self._indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
+        pd, ph, pa = self._indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
+        sd, sh, sa = self._indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
+        inline = (
+            self.inline_bytes > 0
+            and self.segments.op_bytes((pd, ph), (sd, sh)) <= self.inline_bytes
+        )
         with self._lock:
             if self._closed:
                 raise RuntimeError("transfer engine is closed")
             handle = TransferHandle(self._next_id, kind, self.layer_ids, self)
-            op = _Op(handle, pages, slots)
+            op = _Op(handle, (pd, ph), (sd, sh), (pa, sa))
             self._next_id += 1
             if self._fail_armed:
                 op.inject, op.fail_at = True, self._fail_at
                 self._fail_armed, self._fail_at = False, None
             op.after = self._submitted(op)
-            self._pending.append(op)
-            if not self._worker_started:
-                self._worker.start()
-                self._worker_started = True
-            self._lock.notify()
-        return op.handle
+            if inline and not self._copying and not self._pending:
+                self._copying = True  # this thread copies it now (see ``inline_bytes``)
+            else:
+                inline = False
+                self._pending.append(op)
+                self._wake_worker()
+        if inline:  # as ``_execute`` would, for this one op, first in line
+            ok, error = True, None
+            try:
+                try:
+                    op.steps = self._steps(op)
+                    for _ in op.steps:
+                        pass
+                except Exception as exc:  # acked as failed, like any operation
+                    ok, error = False, f"{type(exc).__name__}: {exc}"
+                handle._finish(ok, error)  # before a later op can start: acks in order
+            finally:
+                self._release_copier()
+        return handle
+
+    def _wake_worker(self) -> None:
+        """Start or wake the worker (caller holds ``_lock``)."""
+        if not self._worker_started:
+            self._worker.start()
+            self._worker_started = True
+        self._lock.notify()
 
     @staticmethod
     def _indices(
         what: str, pair: IndexPair, dev_count: int, host_count: int
-    ) -> tuple[IndexArray, IndexArray]:
+    ) -> tuple[IndexArray, IndexArray, int]:
+        """(device, host, address of the block holding both), checked (see ``_Op``)."""
         if len(pair) != 2:
             raise ValueError(f"{what} must be a pair (device indices, host indices)")
-        d, h = _index_array(pair[0]), _index_array(pair[1])
+        d0, h0 = pair
+        if type(d0) in _SEQ and type(h0) in _SEQ and not d0 and not h0:  # nothing (default)
+            return _NO_INDICES, _NO_INDICES, 0
+        packed = _index_block(pair)
+        if packed is not None:
+            d, h, addr = packed
+        else:
+            d, h = _index_array(pair[0]), _index_array(pair[1])
+            addr = 0
         n = d.shape[0]
         if n != h.shape[0]:
             raise ValueError(f"{what}: {n} device vs {h.shape[0]} host indices")
         if not n:
-            return d, h
-        for name, idx, count in (("device", d, dev_count), ("host", h, host_count)):
-            if n <= _SHORT:
+            return d, h, 0
+        if packed is None:  # one block: device then host indices
+            block = np.concatenate((d, h))
+            d, h, addr = block[:n], block[n:], block.ctypes.data
+        for name, idx, count, given in (
+            ("device", d, dev_count, pair[0]),
+            ("host", h, host_count, pair[1]),
+        ):
+            if packed is not None:  # the caller's list of ints
+                lo, hi = min(given), max(given)  # type: ignore[type-var]
+            elif n <= _SHORT:
                 ints = idx.tolist()
                 lo, hi = min(ints), max(ints)
             else:
                 lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= count:
                 raise ValueError(f"{what}: {name} index out of range [0, {count}): {idx.tolist()}")
-        return d, h
+        return d, h, addr
 
     def _check_fault(self, op: _Op, position: int) -> None:
         layer = self.layer_ids[position]
@@ -408,8 +476,8 @@ class TransferEngine(abc.ABC):
     def _release_copier(self) -> None:
         with self._lock:
             self._copying = False
-            if self._pending or self._closed:
-                self._lock.notify()  # the worker takes over what is left (or exits)
+            if self._pending or (self._closed and self._worker_started):
+                self._wake_worker()  # the worker takes over what is left (or exits)
 
     def _execute(self, until: TransferHandle | None, pos: int) -> None:
         """Run queued operations in order (caller set ``_copying``): all of them, or only

@@ -93,6 +93,13 @@ def on_worker() -> bool:
     return threading.current_thread().name.startswith("transfer-")
 
 
+@pytest.fixture
+def queued(monkeypatch) -> None:
+    """Every operation goes through the queue (none is copied inline by its submitter):
+    for tests about the worker, waiters and close with small operations."""
+    monkeypatch.setattr(CpuTransferEngine, "inline_bytes", 0)
+
+
 def test_index_runs():
     def runs(src, dst):
         r = index_runs(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
@@ -153,7 +160,7 @@ def test_round_trip_is_bit_exact_in_random_orders(runs):
         ]
 
 
-def test_load_goes_layer_by_layer(monkeypatch):
+def test_load_goes_layer_by_layer(monkeypatch, queued):
     monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", 0)  # this small load too
     gen = torch.Generator().manual_seed(1)
     dev, host, eng = make()
@@ -256,7 +263,7 @@ def test_fail_at_first_layer_and_bad_input():
     assert h.ack is not None and not h.ack.ok and "InjectedFailure" in (h.ack.error or "")
 
 
-def test_close_acks_pending_and_rejects_new_ops(finished):
+def test_close_acks_pending_and_rejects_new_ops(finished, queued):
     dev, host, eng = make()
     gate = threading.Event()
     original = eng._layer_ready
@@ -415,7 +422,7 @@ def one_layer_spec() -> StateSpec:
         "layer-wise-memmove",
     ],
 )
-def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monkeypatch):
+def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monkeypatch, queued):
     # These rows and ops are all small. With the native segment loop (native-*), one call
     # per op (one-pass) or per layer; without it, copied in one pass by numpy blocks
     # (one-pass-numpy), or, with both thresholds 0, every row through the native row loop
@@ -578,7 +585,7 @@ def test_bulk_row_addresses_equal_naive_row_pointers(make_spec, backup):
     eng.close()
 
 
-def test_a_waiter_copies_itself_when_the_worker_is_not_scheduled():
+def test_a_waiter_copies_itself_when_the_worker_is_not_scheduled(queued):
     gen = torch.Generator().manual_seed(3)
     dev, host, eng = make()
     randomize(dev, gen)
@@ -738,3 +745,67 @@ def test_small_loads_are_published_at_once(monkeypatch, single_pass_bytes):
         else:
             assert same_bits(t[[7, 8, 9]], before[(name, layer)][[1, 2, 3]])
     eng.close()
+
+
+def test_small_op_on_an_idle_engine_is_copied_by_its_submitter(finished, monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    dev, host, eng = make()
+    randomize(dev, gen)
+    before = snapshot(dev)
+    threads: list[str] = []
+    original = eng._layer_ready
+
+    def observe(op, position):
+        threads.append(threading.current_thread().name)
+        original(op, position)
+
+    eng._layer_ready = observe  # type: ignore[method-assign]
+    # Idle and small: copied before backup() returns, on this thread; no worker started.
+    h = eng.backup(([2, 5, 6], [9, 0, 1]), ([1], [4]))
+    assert h.done and h.ok and not eng._worker_started
+    assert set(threads) == {threading.current_thread().name}
+    for t in tensors(dev).values():
+        t.zero_()
+    assert eng.load(([0, 1, 11], [9, 0, 1]), ([3], [4])).done
+    for (name, layer), t in tensors(dev).items():
+        if name in ("conv", "ssm"):
+            assert same_bits(t[3], before[(name, layer)][1])
+        else:
+            assert same_bits(t[[0, 1, 11]], before[(name, layer)][[2, 5, 6]])
+    # An injected failure acks at once too, and the engine goes on.
+    eng.fail_next()
+    bad = eng.load(([0], [0]))
+    assert bad.done and not bad.ok and "InjectedFailure" in (bad.error or "")
+    # Larger than inline_bytes: queued for the worker (started now), same results.
+    monkeypatch.setattr(eng, "inline_bytes", 1)
+    big = eng.load(([4, 7], [9, 0]))
+    assert eng._worker_started and big.wait()
+    for (name, layer), t in tensors(dev).items():
+        if name not in ("conv", "ssm"):
+            assert same_bits(t[[4, 7]], before[(name, layer)][[2, 5]])
+    eng.close()
+    assert [op for op, _, _ in finished] == [0, 1, 2, 3]
+
+
+def test_small_op_behind_queued_work_waits_its_turn(finished):
+    dev, host, eng = make()
+    gate, reached = threading.Event(), threading.Event()
+    original = eng._layer_ready
+
+    def hold(op, position):
+        original(op, position)
+        if op.handle.op_id == 0 and on_worker():
+            reached.set()
+            gate.wait(timeout=30)
+
+    eng._layer_ready = hold  # type: ignore[method-assign]
+    eng.inline_bytes = 0  # op 0 goes to the worker (and is held there)
+    first = eng.backup(([0, 1], [0, 1]))
+    assert reached.wait(timeout=30)
+    eng.inline_bytes = CpuTransferEngine.inline_bytes
+    second = eng.backup(([2], [2]))  # small, but the engine is busy: queued behind op 0
+    assert not second.done and not first.done
+    gate.set()
+    assert second.wait(timeout=30) and first.done
+    eng.close()
+    assert [op for op, _, _ in finished] == [0, 1]  # submission order
