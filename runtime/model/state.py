@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from runtime.model.parallel import AxisComm, kv_shard_owner, kv_shard_positions
+from runtime.model.parallel import AxisComm, kv_shard_positions
 
 if TYPE_CHECKING:
     from mesh_hicache.pools.device import DevicePools
@@ -142,30 +142,30 @@ class AttentionRows:
         """Store the rows this rank keeps of ``rows`` ``[m, *row]``, the tokens at positions
         ``start .. start + m - 1`` (contiguous: appended to the state's tensor, which must
         hold exactly the tokens before ``start``; paged: written into their page slots)."""
-        positions = torch.arange(start, start + rows.shape[0])
+        ps, table = self.page_size, state.pages
+        positions = range(start, start + rows.shape[0])
         if self.sharded(cp):
-            mine = kv_shard_owner(positions, self.page_size, cp.size) == cp.rank
-            rows, positions = rows[mine.to(rows.device)], positions[mine]
-        table = state.pages
+            per = ps // cp.size
+            kept = [i for i, p in enumerate(positions) if p % ps // per == cp.rank]
+            if len(kept) < len(positions):
+                rows = rows[torch.tensor(kept, dtype=torch.long, device=rows.device)]
+            positions = [positions[i] for i in kept]  # type: ignore[assignment]
         if table is None:
             store = getattr(state, name)
             store[layer] = torch.cat([store[layer], rows])
             return
-        if not positions.numel():
+        if not len(positions):
             return
-        ps = self.page_size
-        last = int(positions[-1])
-        if last // ps >= len(table.pages):
+        if positions[-1] // ps >= len(table.pages):
             raise ValueError(
                 f"the page table's {len(table.pages)} pages of {ps} tokens do not cover "
-                f"position {last}"
+                f"position {positions[-1]}"
             )
         pool = _pool(table, name, layer)
         offset = cp.rank * pool.shape[1] if self.sharded(cp) else 0
-        page_ids = [table.pages[p] for p in (positions // ps).tolist()]
-        ids = torch.tensor(page_ids, dtype=torch.long, device=pool.device)
-        in_page = (positions % ps - offset).to(pool.device)
-        pool[ids, in_page] = rows.to(pool.dtype)
+        where = [(table.pages[p // ps], p % ps - offset) for p in positions]
+        slots = torch.tensor(where, dtype=torch.long, device=pool.device)  # [m, (page, row)]
+        pool[slots[:, 0], slots[:, 1]] = rows.to(pool.dtype)
 
     def extend(
         self, state: SeqState, name: str, layer: int, new: Tensor, start: int, cp: AxisComm
