@@ -12,6 +12,16 @@ times after a warm-up; the median (and the best) wall time count; decode is ``--
 after a prefill of the first length. transformers runs its eager PyTorch path (its
 kernels packages are not installed here) with ``logits_to_keep=1`` as ``generate`` does.
 Prints tokens/s and the ratio runtime / transformers (> 1: the runtime is faster).
+
+    python scripts/bench_model.py --batch 1 4 16          # decode_batch vs B decodes, small
+    python scripts/bench_model.py --batch 4 16 --model /models/ckpt --paged
+
+``--batch B...``: instead, batched decode of the runtime alone (the ``--preset``, default
+``small``, or ``--model``): B sequences of different lengths (``--lengths[0]`` + 16 i
+tokens) decode ``--decode`` steps with one ``decode_batch`` per step (A) and with B
+``decode`` calls per step (B), alternating A/B ``--repeats`` times from the same states;
+median tokens/s of each and the ratio A / B (> 1: batching is faster). ``--paged`` puts
+the states in L1 pool pages (``paged_state``) instead of contiguous tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.checkpoints import load_checkpoint  # noqa: E402
-from runtime.model import HybridModel  # noqa: E402
+from runtime.model import HybridModel, preset  # noqa: E402
 
 ARCHS = (
     "granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35", "deepseek_v32"
@@ -206,6 +216,52 @@ def profile_table(fn, ids: torch.Tensor) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
 
 
+def bench_batch(model: HybridModel, sizes: list[int], args: argparse.Namespace) -> dict:
+    """decode_batch (A) vs one decode per sequence (B), alternating; see the module doc."""
+    from mesh_hicache.pools.device import DevicePools
+
+    vocab, ps = model.config.vocab_size, model.page_size
+    gen = torch.Generator().manual_seed(0)
+    results: dict[str, dict[str, float]] = {}
+    for size in sizes:
+        lengths = [args.lengths[0] + 16 * i for i in range(size)]
+        per_seq = -(-(max(lengths) + args.decode) // ps)  # every run restarts from base
+        pools = None
+        if args.paged:
+            pools = DevicePools(model.layout, num_pages=size * per_seq, device=model.device)
+        base = []
+        for i, n in enumerate(lengths):
+            if pools is None:
+                state = model.new_state()
+            else:
+                state = model.paged_state(pools, list(range(i * per_seq, (i + 1) * per_seq)))
+            model.prefill(torch.randint(0, vocab, (n,), generator=gen), state)
+            base.append(state)
+        tokens = torch.randint(0, vocab, (size,), generator=gen).tolist()
+        times: dict[str, list[float]] = {"batched": [], "sequential": []}
+        for _ in range(args.repeats):
+            for mode in times:
+                # Clones of paged states share the pages: each run rewrites the same slots.
+                states = [s.clone() for s in base]
+                t0 = time.perf_counter()
+                for _ in range(args.decode):
+                    if mode == "batched":
+                        model.decode_batch(tokens, states)
+                    else:
+                        for token, state in zip(tokens, states, strict=True):
+                            model.decode(token, state)
+                times[mode].append(time.perf_counter() - t0)
+        row = {f"{m}_tok_s": size * args.decode / statistics.median(t) for m, t in times.items()}
+        row["ratio"] = row["batched_tok_s"] / row["sequential_tok_s"]
+        print(
+            f"B={size:3d}: decode_batch {row['batched_tok_s']:8.1f} tok/s   sequential "
+            f"{row['sequential_tok_s']:8.1f} tok/s   ratio {row['ratio']:.2f}",
+            flush=True,
+        )
+        results[f"batch_{size}"] = row
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: build --arch in a tmp dir)")
@@ -218,8 +274,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile", action="store_true", help="also print where a prefill of each spends time"
     )
+    p.add_argument(
+        "--batch", type=int, nargs="+", help="batched decode sizes B (runtime only; see above)"
+    )
+    p.add_argument("--preset", default="small", help="--batch without --model: this preset")
+    p.add_argument("--paged", action="store_true", help="--batch: paged states (L1 pages)")
     args = p.parse_args(argv)
+    if args.batch and min(args.batch) < 1:
+        p.error(f"--batch sizes must be >= 1, got {args.batch}")
     pin(args.threads)
+    if args.batch:
+        if args.model:
+            ckpt = load_checkpoint(args.model, torch.float32)
+            model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+        else:
+            model = HybridModel(preset(args.preset), page_size=16)
+        with torch.inference_mode():
+            results = bench_batch(model, args.batch, args)
+        if args.json:
+            meta = {"model": args.model or args.preset, "threads": args.threads}
+            meta["paged"] = args.paged
+            Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        return 0
     import transformers
 
     directory = Path(args.model) if args.model else None

@@ -125,3 +125,20 @@ def test_paged_decode_writes_only_its_pages() -> None:
     written = k.abs().sum((2, 3)) > 0  # [page, slot]
     assert written[2].tolist() == [True] * 4 + [False] * 4
     assert written[14].tolist() == [True] + [False] * 7
+
+
+def test_bench_model_batch_smoke(tmp_path: Path) -> None:
+    # scripts/bench_model.py --batch runs and reports both paths for every size (in its own
+    # process: the script pins its threads and cores).
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_model.py"
+    out = tmp_path / "batch.json"
+    argv = ["--batch", "1", "2", "--preset", "tiny", "--decode", "2", "--repeats", "1"]
+    argv += ["--lengths", "8", "--paged", "--json", str(out)]
+    subprocess.run([sys.executable, str(script), *argv], check=True, timeout=600)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"batch_1", "batch_2"}
+    assert all(r["batched_tok_s"] > 0 and r["sequential_tok_s"] > 0 for r in results.values())
