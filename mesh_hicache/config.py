@@ -104,10 +104,11 @@ class HiCacheConfig:
     Any string without the reserved character ``"\x1f"``."""
     layout_version: int = 1
     """Bumped whenever the stored byte layout changes; part of every storage key."""
-    eviction_policy: EvictionPolicyKind | str | EvictionPolicy = EvictionPolicyKind.LRU
-    """How the tree ranks eviction victims: ``lru``, ``lfu`` or ``cost`` (GreedyDual-Size
-    over the FLOPs a hit saves per byte; docs/DESIGN.md section 5), or a stateless
-    ``EvictionPolicy`` instance (benchmarks' baselines)."""
+    eviction_policy: EvictionPolicyKind | str | EvictionPolicy = EvictionPolicyKind.COST
+    """How the tree ranks eviction victims: ``cost`` (default: the FLOPs a hit saves per
+    byte, decaying exponentially with age; ``radix.eviction.DecayCostPolicy``,
+    docs/DESIGN.md section 5), ``lru``, ``lfu``, or a stateless ``EvictionPolicy``
+    instance (benchmarks' baselines, ``CostPolicy``'s GreedyDual-Size)."""
     cost_model: CostModel | None = None
     """Bytes per KV token and per state, FLOPs per token and per key for ``cost``;
     None = ``CostModel.from_spec`` (rough). The runtime passes its model's numbers."""

@@ -135,7 +135,7 @@ def budget_config(
     device_bytes: int,
     host_bytes: int = 0,
     state_share: float | None = None,
-    policy: str | EvictionPolicy = "lru",
+    policy: str | EvictionPolicy = "cost",
     split: str = "arena",
     write_policy: str = "write_back",
 ) -> HiCacheConfig:
@@ -188,7 +188,7 @@ def budget_cache(
     device_bytes: int,
     host_bytes: int = 0,
     state_share: float | None = None,
-    policy: str | EvictionPolicy = "lru",
+    policy: str | EvictionPolicy = "cost",
     split: str = "arena",
     write_policy: str = "write_back",
 ) -> HiCache:

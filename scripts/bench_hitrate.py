@@ -8,9 +8,9 @@ sized from the byte budgets and the model profile (bytes per KV page and per sta
 checkpoint): by default each tier is one arena shared by pages and states
 (``--split arena``, the cache's ``device_bytes`` / ``host_bytes``), or fixed pools by
 ``HiCacheConfig``'s slot rule (``--split rule``) or with ``--state-share F`` of each
-budget for states. ``--policy`` picks the eviction policy (``cost`` ranks by the
-profile's FLOPs and bytes); ``--baselines 0.5,1,2`` also replays LRU and the Marconi
-baseline at each alpha on the same trace and reports the best alpha.
+budget for states. ``--policy`` picks the eviction policy (``cost``, the default, and
+``gds`` rank by the profile's FLOPs and bytes); ``--baselines 0.5,1,2`` also replays
+LRU and the Marconi baseline at each alpha on the same trace and reports the best alpha.
 
     python scripts/make_trace.py chat --seed 0 --out chat.jsonl
     python scripts/bench_hitrate.py chat.jsonl --profile hybrid-7b --device-bytes 2GB \\
@@ -42,8 +42,8 @@ from runtime.profiles import ModelProfile, load_hf_config, profile
 from runtime.replay import SPLITS, TIERS, Replayer, budget_cache
 from runtime.traces import TraceRequest, read_jsonl
 
-POLICIES = ("lru", "cost", "marconi")
-DEFAULT_POLICY = "lru"
+POLICIES = ("lru", "cost", "gds", "marconi")
+DEFAULT_POLICY = "cost"
 _UNITS = {
     "": 1,
     "k": 10**3,
@@ -88,7 +88,8 @@ def parser() -> argparse.ArgumentParser:
         "--policy",
         choices=POLICIES,
         default=DEFAULT_POLICY,
-        help="eviction policy: lru, cost (GreedyDual-Size over saved FLOPs per byte), "
+        help="eviction policy: cost (the default: saved FLOPs per byte, decaying "
+        "exponentially with age), lru, gds (GreedyDual-Size over saved FLOPs per byte), "
         "marconi (the paper's recency + alpha x FLOP efficiency baseline, --alpha)",
     )
     p.add_argument("--alpha", type=float, default=1.0, help="marconi: weight of FLOP efficiency")
@@ -129,6 +130,8 @@ def make_policy(name: str, prof: ModelProfile, alpha: float) -> str | eviction.E
     """What ``HiCacheConfig.eviction_policy`` gets for ``--policy name``."""
     if name == "marconi":
         return eviction.MarconiPolicy(prof.cost_model(), alpha)
+    if name == "gds":
+        return eviction.CostPolicy(prof.cost_model())
     if name not in POLICIES:
         raise ValueError(f"--policy {name!r}; choose from {POLICIES}")
     return name

@@ -6,7 +6,9 @@ Write policy (docs/DESIGN.md section 7), decided here and nowhere else:
 - ``write_through_selective``: :meth:`BackupQueue.on_match` backs up nodes on their
   second hit;
 - ``write_back``: :meth:`BackupQueue.write_back_hook` hands eviction a callback that
-  copies a device victim to host (and waits for the copy) before it goes.
+  copies a device victim to host (and waits for the copy) before it goes, when it is
+  worth its bytes there (:meth:`BackupQueue.worth_host`: the eviction policy ranks it
+  above the host tier's own next victim, so it would not displace something worth more).
 
 A backup reserves host pages/slots (agreed), records them in the tree at once, and keeps
 its nodes locked (device copy stays) and host-protected (host copy stays) through a
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from mesh_hicache.choices import WritePolicy
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import StateLayout
-from mesh_hicache.radix import Family, RadixTree, Tier, TreeNode
+from mesh_hicache.radix import EvictTarget, Family, RadixTree, Tier, TreeNode
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.tiers.alloc import TierAllocator
 from mesh_hicache.tiers.l3 import StorageTier
@@ -93,6 +95,8 @@ class BackupQueue:
         self._stats = stats
         self._backups: deque[_Backup] = deque()
         self._writes: deque[_StorageWrite] = deque()
+        self.refused_write_backs = 0
+        """Device victims ``worth_host`` kept off the host tier (same on every rank)."""
 
     # -- the write policy -------------------------------------------------------------------
 
@@ -110,7 +114,22 @@ class BackupQueue:
         """The callback eviction offers device victims without a host copy, or None."""
         return self._write_back if self.policy is WritePolicy.WRITE_BACK else None
 
+    def worth_host(self, node: TreeNode) -> bool:
+        """Whether a device victim is worth its bytes on the host tier: the eviction
+        policy's key for it there (its pages, or its state alone when only that goes)
+        is not below the first entry of the host queues, i.e. the host would not have to
+        evict something it values more to take it. True when the host has no candidate.
+        Reads replicated tree state only (the same on every rank)."""
+        tree = self._tree
+        target = EvictTarget.HOST_KV if node.host_indices is None else EvictTarget.MAMBA_HOST
+        heads = [tree.eviction_head(t) for t in (EvictTarget.HOST_KV, EvictTarget.MAMBA_HOST)]
+        floors = [h[:-2] for h in heads if h is not None]
+        return not floors or tree.eviction_key(node, target)[:-1] >= min(floors)
+
     def _write_back(self, node: TreeNode) -> None:
+        if not self.worth_host(node):
+            self.refused_write_backs += 1
+            return
         # The host allocation below may evict host copies: keep it from removing this very
         # victim (a host-only childless node that still holds a device state).
         self._tree.protect_host(node)

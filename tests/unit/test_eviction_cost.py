@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from mesh_hicache.radix import EvictTarget, Family, PoolUsage, RadixKey, RadixTr
 from mesh_hicache.radix.eviction import (
     CostModel,
     CostPolicy,
+    DecayCostPolicy,
     LRUPolicy,
     MarconiPolicy,
     NodeStats,
@@ -119,6 +121,53 @@ def test_cost_policy_keeps_what_saves_more_per_byte_where_lru_keeps_the_newest()
         victims[type(policy).__name__] = [len(n.data) // 8 for n in tree.iter_nodes()]
         tree.check_integrity()
     assert victims == {"LRUPolicy": [4], "CostPolicy": [32]}
+
+
+def test_decay_policy_key_is_recency_plus_horizon_times_log_value():
+    policy = DecayCostPolicy(COST, horizon=50.0)
+    unit = COST.flops_per_token / COST.kv_bytes_per_token
+    leaf = NodeStats(7, 0, 8, True, prefix_len=24, anchor_len=16, num_children=0, serves=True)
+    # The value is CostPolicy's without run_bytes: a leaf counts its own bytes only.
+    deep = leaf._replace(anchor_len=4)
+    want = COST.flops(4, 24) / (8 + 40)
+    assert policy.value(deep, EvictTarget.DEVICE_KV) == pytest.approx(want)
+    key = policy.priority(deep, EvictTarget.DEVICE_KV)
+    assert key[0] == pytest.approx(7 + 50.0 * math.log(want / unit)) and key[1] == 7
+    # Twice the value buys horizon * ln 2 ticks, whatever the size; a touch only raises it.
+    lone = leaf._replace(num_children=1)
+    v_lone = policy.value(lone, EvictTarget.MAMBA_DEVICE)
+    assert v_lone == pytest.approx(COST.flops(16, 24) / 40)
+    double = (
+        policy.priority(lone, EvictTarget.MAMBA_DEVICE)[0]
+        - policy.priority(leaf, EvictTarget.MAMBA_DEVICE)[0]
+    )
+    assert double == pytest.approx(
+        50.0 * math.log(v_lone / policy.value(leaf, EvictTarget.DEVICE_KV))
+    )
+    later = policy.priority(leaf._replace(last_access=8), EvictTarget.DEVICE_KV)
+    assert later > policy.priority(leaf, EvictTarget.DEVICE_KV)
+    # A node no hit can end at ranks as if -ln(1e-6) horizons older, not -inf.
+    dead = leaf._replace(serves=False, has_mamba_state=False)
+    assert policy.priority(dead, EvictTarget.DEVICE_KV)[0] == pytest.approx(
+        7 + 50.0 * math.log(1e-6)
+    )
+    with pytest.raises(ValueError, match="horizon"):
+        DecayCostPolicy(COST, horizon=0)
+    with pytest.raises(TypeError, match="CostModel"):
+        DecayCostPolicy({"flops_per_token": 1.0})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("horizon,kept", [(1000.0, 32), (0.01, 4)])
+def test_decay_policy_trades_value_for_recency_by_its_horizon(horizon, kept):
+    # As in the test above: long (8 pages) then short (1 page), short touched last. A long
+    # horizon keeps what saves more per byte (evicts short); a short one is LRU (long).
+    tree = RadixTree(PS, has_mamba=True, policy=DecayCostPolicy(COST, horizon=horizon))
+    pools = Pools()
+    tree.insert(key(range(1, 33)), pools.pages(8), mamba_device_slot=pools.slot())
+    tree.insert(key([99, 98, 97, 96]), pools.pages(1), mamba_device_slot=pools.slot())
+    tree.evict_device(1)
+    assert [len(n.data) // 8 for n in tree.iter_nodes()] == [kept]
+    tree.check_integrity()
 
 
 def test_anchor_is_the_nearest_ancestor_with_a_state():
@@ -264,8 +313,13 @@ def _stress(policy_factory, seed: int) -> tuple[str, list[int]]:
 
 @pytest.mark.parametrize(
     "factory",
-    [lambda: CostPolicy(COST), lambda: MarconiPolicy(COST, 1.0), lambda: MarconiPolicy(COST, 0.0)],
-    ids=["cost", "marconi", "marconi-alpha0"],
+    [
+        lambda: CostPolicy(COST),
+        lambda: DecayCostPolicy(COST, horizon=3.0),
+        lambda: MarconiPolicy(COST, 1.0),
+        lambda: MarconiPolicy(COST, 0.0),
+    ],
+    ids=["gds", "decay", "marconi", "marconi-alpha0"],
 )
 def test_random_operations_keep_invariants_and_are_deterministic(factory):
     a = _stress(factory, seed=11)
@@ -291,7 +345,7 @@ def test_config_selects_the_policy(one_rank_topology):
         layer_ids=(1,), conv_dim=2, conv_kernel=2, num_heads=1, head_dim=2, state_dim=2
     )
     spec = StateSpec(page_size=PS, kv=kv, mamba=mamba)
-    for name, kind in (("lru", LRUPolicy), ("cost", CostPolicy)):
+    for name, kind in (("lru", LRUPolicy), ("cost", DecayCostPolicy)):
         config = HiCacheConfig(device_pages=8, enable_host=False, eviction_policy=name)
         cache = HiCache(one_rank_topology, spec, config)
         assert type(internals(cache).tree.policy) is kind
@@ -299,7 +353,7 @@ def test_config_selects_the_policy(one_rank_topology):
     given = MarconiPolicy(COST, 0.5)
     config = HiCacheConfig(device_pages=8, enable_host=False, eviction_policy=given)
     assert make_policy(config.eviction_policy, COST) is given
-    assert isinstance(make_policy("cost", COST), CostPolicy)
+    assert isinstance(make_policy("cost", COST), DecayCostPolicy)
     with pytest.raises(ValueError, match="eviction_policy"):
         HiCacheConfig(device_pages=8, eviction_policy="fifo")
     with pytest.raises(TypeError, match="cost_model"):
@@ -342,3 +396,51 @@ def test_exact_resume_from_every_tier_under_the_cost_policy(
         assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
         assert c.max_diff < cases.ATOL and c.tokens_equal, c.label
     assert {c.tier for c in checks} == {"device", "host", "storage"}
+
+
+def _gate_cache(one_rank_topology, older_host_node: bool) -> tuple[HiCache, list[int]]:
+    """LRU, write-back, 8 device pages / 16 host pages (tests/unit/cache_support). With
+    ``older_host_node`` the host holds a copy of a node older than A; otherwise of B,
+    newer than A. Then C makes the device evict A (its oldest): is A worth host bytes?"""
+    from tests.unit.cache_support import make_config, make_spec, serve
+
+    config = make_config(write_policy="write_back", eviction_policy="lru")
+    cache = HiCache(one_rank_topology, make_spec(), config)
+    a, b, c, z = (list(range(k, k + 12)) for k in (100, 200, 300, 400))
+    ints = internals(cache)
+    if older_host_node:
+        ints.set_write_policy("write_through")
+        serve(cache, z)  # host copy of Z, older than A
+        ints.set_write_policy("write_back")
+        serve(cache, a)
+        serve(cache, b)  # evicts Z from device (it has its host copy)
+    else:
+        serve(cache, a)
+        ints.set_write_policy("write_through")
+        serve(cache, b)  # host copy of B, newer than A
+        ints.set_write_policy("write_back")
+    cache.flush()
+    serve(cache, c)  # 3 pages with 2 free: A goes from device
+    cache.flush()
+    return cache, a
+
+
+@pytest.mark.parametrize("older_host_node", [True, False], ids=["worth-it", "not-worth-it"])
+def test_write_back_only_when_worth_its_host_bytes(one_rank_topology, older_host_node):
+    # A device victim goes to host only if the policy ranks it at or above the host's own
+    # next victim: above an older host copy it is written back; below B's newer copy it
+    # would displace something the policy values more, so it is dropped.
+    from tests.unit.cache_support import serve
+
+    cache, a = _gate_cache(one_rank_topology, older_host_node)
+    backups = internals(cache).controller.backups
+    got = serve(cache, a)
+    assert got.mismatches == 0
+    if older_host_node:
+        assert backups.refused_write_backs == 0
+        assert got.served == (0, 12, 0)  # off device, back from host
+    else:
+        assert backups.refused_write_backs == 1
+        assert got.served == (0, 0, 0)
+    cache.check_integrity()
+    cache.close()

@@ -56,10 +56,23 @@ SMALL = {
         keep_observations=1,
     ),
 }
+# LRU here (the default is "cost"): the engine's and the replay's specs differ, so a cost
+# ranking needs one CostModel for both (``_with_cost``, the cost-policy test below).
 CONFIGS = {
-    "l1": HiCacheConfig(device_pages=16, device_mamba_slots=4, enable_host=False, transfer="cpu"),
+    "l1": HiCacheConfig(
+        device_pages=16,
+        device_mamba_slots=4,
+        enable_host=False,
+        transfer="cpu",
+        eviction_policy="lru",
+    ),
     "l1+l2": HiCacheConfig(
-        device_pages=16, device_mamba_slots=4, host_pages=64, host_mamba_slots=16, transfer="cpu"
+        device_pages=16,
+        device_mamba_slots=4,
+        host_pages=64,
+        host_mamba_slots=16,
+        transfer="cpu",
+        eviction_policy="lru",
     ),
 }
 
@@ -287,8 +300,12 @@ def _with_cost(config: HiCacheConfig, spec_of: str = "SSASSSAS") -> HiCacheConfi
 
 ARENAS = {
     # One arena per tier (the tiny model: a page is 4 KiB, a state 42 KiB, 2 KiB blocks).
-    "l1-arena": HiCacheConfig(device_bytes=160 * 1024, enable_host=False, transfer="cpu"),
-    "l1+l2-arena": HiCacheConfig(device_bytes=160 * 1024, host_bytes=640 * 1024, transfer="cpu"),
+    "l1-arena": HiCacheConfig(
+        device_bytes=160 * 1024, enable_host=False, transfer="cpu", eviction_policy="lru"
+    ),
+    "l1+l2-arena": HiCacheConfig(
+        device_bytes=160 * 1024, host_bytes=640 * 1024, transfer="cpu", eviction_policy="lru"
+    ),
 }
 
 
