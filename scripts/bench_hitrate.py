@@ -115,6 +115,12 @@ def parser() -> argparse.ArgumentParser:
         help="with --host-bytes: L1 victims go to L2 (write_back) or every insert does",
     )
     p.add_argument(
+        "--write-back-gate",
+        action="store_true",
+        help="with write_back: an L1 victim goes to L2 only when the policy ranks it at or "
+        "above L2's own next victim (BackupQueue.value_gate; off by default)",
+    )
+    p.add_argument(
         "--state-share",
         type=float,
         default=None,
@@ -173,6 +179,7 @@ def replay(
         args.write_policy,
     )
     cfg = cache.config
+    internals(cache).controller.backups.value_gate = bool(getattr(args, "write_back_gate", False))
     player = Replayer(cache)
     input_tokens = reused_total = uncached = checkpoints = 0
     flops_total = 0

@@ -6,9 +6,10 @@ Write policy (docs/DESIGN.md section 7), decided here and nowhere else:
 - ``write_through_selective``: :meth:`BackupQueue.on_match` backs up nodes on their
   second hit;
 - ``write_back``: :meth:`BackupQueue.write_back_hook` hands eviction a callback that
-  copies a device victim to host (and waits for the copy) before it goes, when it is
-  worth its bytes there (:meth:`BackupQueue.worth_host`: the eviction policy ranks it
-  above the host tier's own next victim, so it would not displace something worth more).
+  copies a device victim to host (and waits for the copy) before it goes. With
+  ``value_gate`` only when it is worth its bytes there (:meth:`BackupQueue.worth_host`:
+  the eviction policy ranks it above the host tier's own next victim); off by default,
+  as it measured lower hit rates on the replayed traces (README, issue 16).
 
 A backup reserves host pages/slots (agreed), records them in the tree at once, and keeps
 its nodes locked (device copy stays) and host-protected (host copy stays) through a
@@ -95,6 +96,9 @@ class BackupQueue:
         self._stats = stats
         self._backups: deque[_Backup] = deque()
         self._writes: deque[_StorageWrite] = deque()
+        self.value_gate = False
+        """Whether write-back asks ``worth_host`` first (tests and benchmarks may set it;
+        the same on every rank)."""
         self.refused_write_backs = 0
         """Device victims ``worth_host`` kept off the host tier (same on every rank)."""
 
@@ -127,7 +131,7 @@ class BackupQueue:
         return not floors or tree.eviction_key(node, target)[:-1] >= min(floors)
 
     def _write_back(self, node: TreeNode) -> None:
-        if not self.worth_host(node):
+        if self.value_gate and not self.worth_host(node):
             self.refused_write_backs += 1
             return
         # The host allocation below may evict host copies: keep it from removing this very

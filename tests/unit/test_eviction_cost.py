@@ -398,7 +398,9 @@ def test_exact_resume_from_every_tier_under_the_cost_policy(
     assert {c.tier for c in checks} == {"device", "host", "storage"}
 
 
-def _gate_cache(one_rank_topology, older_host_node: bool) -> tuple[HiCache, list[int]]:
+def _gate_cache(
+    one_rank_topology, older_host_node: bool, gate: bool = True
+) -> tuple[HiCache, list[int]]:
     """LRU, write-back, 8 device pages / 16 host pages (tests/unit/cache_support). With
     ``older_host_node`` the host holds a copy of a node older than A; otherwise of B,
     newer than A. Then C makes the device evict A (its oldest): is A worth host bytes?"""
@@ -408,6 +410,7 @@ def _gate_cache(one_rank_topology, older_host_node: bool) -> tuple[HiCache, list
     cache = HiCache(one_rank_topology, make_spec(), config)
     a, b, c, z = (list(range(k, k + 12)) for k in (100, 200, 300, 400))
     ints = internals(cache)
+    ints.controller.backups.value_gate = gate
     if older_host_node:
         ints.set_write_policy("write_through")
         serve(cache, z)  # host copy of Z, older than A
@@ -442,5 +445,18 @@ def test_write_back_only_when_worth_its_host_bytes(one_rank_topology, older_host
     else:
         assert backups.refused_write_backs == 1
         assert got.served == (0, 0, 0)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_without_the_value_gate_every_device_victim_is_written_back(one_rank_topology):
+    # The default (value_gate off): the victim the gate refuses above goes to host.
+    from tests.unit.cache_support import serve
+
+    cache, a = _gate_cache(one_rank_topology, older_host_node=False, gate=False)
+    backups = internals(cache).controller.backups
+    assert backups.refused_write_backs == 0
+    got = serve(cache, a)
+    assert got.mismatches == 0 and got.served == (0, 12, 0)
     cache.check_integrity()
     cache.close()
