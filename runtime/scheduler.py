@@ -204,9 +204,11 @@ class Scheduler:
                 arrival = max(arrival, now + turn.think_s) if self.config.realtime else now
             self._pending.append((arrival, turn))
         self._released = []
-        due = [(arr, t) for arr, t in self._pending if not self.config.realtime or arr <= now]
+        due, later = [], []
+        for p in self._pending:
+            (due if not self.config.realtime or p[0] <= now else later).append(p)
         if due:
-            self._pending = [p for p in self._pending if p not in due]
+            self._pending = later
             self._waiting.extend(due)
             self._waiting.sort(key=lambda p: (p[0], p[1].request_id))
 

@@ -180,3 +180,67 @@ def test_batched_equals_sequential_gdn_checkpoint(one_rank_topology, tmp_path):
     c = batched_vs_sequential(one_rank_topology, "l1+l2", checkpoint=directory)
     assert c.batched == c.sequential
     assert c.max_batch > 1 and c.batched_cached > 0
+
+
+def test_realtime_honours_arrivals_and_think_times(one_rank_topology):
+    config = preset("tiny")
+    model = HybridModel(config, one_rank_topology, page_size=PAGE)
+    trace = [
+        Turn(0, 0, 0, tuple(range(3, 30)), arrival_s=0.3),
+        Turn(1, 1, 0, tuple(range(5, 25))),
+        Turn(2, 0, 1, (7, 8, 9), think_s=0.2),
+    ]
+    sched = Scheduler(model, None, SchedulerConfig(max_running=2, realtime=True), max_new_tokens=3)
+    first, other, second = sched.run(trace)
+    want = Engine(model, None, max_new_tokens=3).run(trace)
+    assert [r.output_ids for r in (first, other, second)] == [r.output_ids for r in want]
+    assert first.arrival_s == pytest.approx(0.3) and first.first_token_s >= 0.3
+    assert other.arrival_s == 0.0  # no time: at once
+    # The next turn exists only after the answer, and arrives think_s after it.
+    assert second.arrival_s >= first.finish_s + 0.2
+    assert second.first_token_s >= second.arrival_s
+    assert sched.num_agreements == sched.num_steps  # the clock is agreed every step
+
+
+def test_host_load_overlaps_a_step_of_the_batch(one_rank_topology):
+    config = preset("tiny")
+    model = HybridModel(config, one_rank_topology, page_size=PAGE)
+    rng = random.Random(11)
+    vocab = config.vocab_size
+    cfg = HiCacheConfig(device_pages=12, host_pages=64)
+    cache = HiCache(one_rank_topology, config.state_spec(PAGE), cfg)
+    engine = Engine(model, cache, max_new_tokens=2)
+    x = [rng.randrange(vocab) for _ in range(4 * PAGE)]
+    engine.serve(x)
+    for _ in range(2):  # evict x's device pages: x stays on host only
+        engine.serve([rng.randrange(vocab) for _ in range(5 * PAGE)])
+    cache.flush()
+    events: list[str] = []
+    load, finish_load, decode_batch = cache.load, cache.finish_load, model.decode_batch
+
+    def logged(name, fn):
+        def call(*args):
+            events.append(name)
+            return fn(*args)
+
+        return call
+
+    cache.load = logged("load", load)  # type: ignore[method-assign]
+    cache.finish_load = logged("finish_load", finish_load)  # type: ignore[method-assign]
+    model.decode_batch = logged("decode", decode_batch)  # type: ignore[method-assign]
+    trace = [
+        Turn(0, 0, 0, tuple(rng.randrange(vocab) for _ in range(20)), max_new_tokens=80),
+        Turn(1, 1, 0, tuple(x) + (1, 2), arrival_s=0.05),
+    ]
+    sched = Scheduler(model, cache, SchedulerConfig(max_running=2, realtime=True), max_new_tokens=3)
+    got = sched.run(trace)
+    model.decode_batch = decode_batch  # type: ignore[method-assign]
+    want = Engine(model, None, max_new_tokens=3).run(trace)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert got[1].cached_host > 0
+    # Request 1's host -> device copy ran beside a decode step of request 0.
+    second_load = [i for i, e in enumerate(events) if e == "load"][1]
+    assert events[second_load + 1] == "decode" and "finish_load" in events[second_load + 2 :]
+    assert events.index("finish_load", second_load) > second_load + 1
+    cache.check_integrity()
+    cache.close()
