@@ -204,7 +204,8 @@ class Scheduler:
                 arrival = max(arrival, now + turn.think_s) if self.config.realtime else now
             self._pending.append((arrival, turn))
         self._released = []
-        due, later = [], []
+        due: list[tuple[float, Turn]] = []
+        later: list[tuple[float, Turn]] = []
         for p in self._pending:
             (due if not self.config.realtime or p[0] <= now else later).append(p)
         if due:
