@@ -21,6 +21,11 @@ mode (off, L1, L1+L2, L1+L2+L3), each run on a fresh cache, in one process:
    is a full-prefix L1 hit of N tokens. Reported per N (``--hit-lengths``, default 512,
    2048, 8192): the hit's TTFT (median of ``--hit-repeats``) next to the cold one.
 
+Default workload: 4 sessions x 3 turns, 384-token first prompts, 64-token appends, 8 new
+tokens, 4 in flight. On the shared 2-core box (load average 15-25) one repetition took
+about 12 minutes, half of it the light rate (its wall time is the arrival span, by
+design), and the hit probe about 4 (the 8192-token cold prefill).
+
 Metrics (``runtime.serve.summarize``): ``throughput_rps`` (requests per wall second of
 the run: from the first arrival to the last answer), ``throughput_tps`` (prompt tokens,
 cached or computed, plus generated tokens, per wall second), TTFT p50 / p99 (from the
@@ -60,7 +65,7 @@ LABELS = {"off": "off", "device": "L1", "host": "L1+L2", "storage": "L1+L2+L3"}
 MODE_TO_CACHE = {"off": "off", "device": "device", "host": "host", "storage": "full"}
 RATE_FACTORS = (0.5, 2.0, 8.0)
 HIT_LENGTHS = (512, 2048, 8192)
-LOAD_DEFAULTS = {"sessions": 4, "turns": 4, "first_prompt_len": 512}
+LOAD_DEFAULTS = {"sessions": 4, "turns": 3, "first_prompt_len": 384}
 """``--mode load``'s workload when not given (the other mode keeps runtime.serve's 8 x 4):
 a few minutes on a shared 2-core box."""
 TARGET_RATIO = 2.0

@@ -288,3 +288,19 @@ def test_smoke_load_run(single_rank_group, tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "| L1+L2+L3 " in printed and "| cached tokens " in printed
     assert not any((tmp_path / "l3").iterdir())  # every fresh L3 root was removed
+
+
+def test_load_plot_is_written(tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e '.[plot]')")
+    samples = [_sample(0, i, m, 1.0 + i) for i in range(2) for m in ("off", "host")]
+    rows = bench_load.aggregate(samples)
+    path = tmp_path / "load.png"
+    assert bench_load.write_load_plot(rows, str(path)) is True
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_plot_without_matplotlib(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert bench_load.write_load_plot([], str(tmp_path / "x.png")) is False
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
