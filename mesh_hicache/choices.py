@@ -109,4 +109,5 @@ class EvictionPolicyKind(Choice):
     LFU = "lfu"
     """Least frequently used first, then least recently used."""
     COST = "cost"
-    """GreedyDual-Size over compute: FLOPs a hit saves per byte, aged by a per-tier clock."""
+    """The default: FLOPs a hit saves per byte, decaying exponentially with age
+    (``radix.eviction.DecayCostPolicy``)."""
