@@ -252,10 +252,12 @@ class TransferEngine(abc.ABC):
     """
 
     kind: str = "abstract"
-    #: An operation of at most this many bytes submitted while the engine is idle (nothing
-    #: queued, no one copying) is copied by the submitting thread before ``backup``/``load``
-    #: return: cheaper than handing it to the worker (a thread wake-up costs more than
-    #: copying it). 0: never (the CUDA engine: its copies are queued on a stream anyway).
+    #: A load of at most this many bytes submitted while the engine is idle (nothing
+    #: queued, no one copying) is copied by the submitting thread before ``load`` returns:
+    #: cheaper than handing it to the worker (a thread wake-up costs more than copying
+    #: it), and its caller waits for it anyway. Backups always go to the worker (their
+    #: callers poll them later and go on meanwhile). 0: never (the CUDA engine: its
+    #: copies are queued on a stream anyway).
     inline_bytes: int = 0
 
     def __init__(self, device_pools: DevicePools, host_pools: HostPools) -> None:
@@ -353,7 +355,8 @@ class TransferEngine(abc.ABC):
         pd, ph, pa = self._indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
         sd, sh, sa = self._indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
         inline = (
-            self.inline_bytes > 0
+            kind is TransferKind.LOAD
+            and self.inline_bytes > 0
             and self.segments.op_bytes((pd, ph), (sd, sh)) <= self.inline_bytes
         )
         with self._lock:

@@ -747,7 +747,7 @@ def test_small_loads_are_published_at_once(monkeypatch, single_pass_bytes):
     eng.close()
 
 
-def test_small_op_on_an_idle_engine_is_copied_by_its_submitter(finished, monkeypatch):
+def test_small_load_on_an_idle_engine_is_copied_by_its_submitter(finished, monkeypatch):
     gen = torch.Generator().manual_seed(9)
     dev, host, eng = make()
     randomize(dev, gen)
@@ -756,17 +756,21 @@ def test_small_op_on_an_idle_engine_is_copied_by_its_submitter(finished, monkeyp
     original = eng._layer_ready
 
     def observe(op, position):
-        threads.append(threading.current_thread().name)
+        threads.append((op.handle.kind, threading.current_thread().name))
         original(op, position)
 
     eng._layer_ready = observe  # type: ignore[method-assign]
-    # Idle and small: copied before backup() returns, on this thread; no worker started.
-    h = eng.backup(([2, 5, 6], [9, 0, 1]), ([1], [4]))
-    assert h.done and h.ok and not eng._worker_started
-    assert set(threads) == {threading.current_thread().name}
+    # A backup, however small, goes to the worker (started by it): its caller goes on.
+    assert not eng._worker_started
+    assert eng.backup(([2, 5, 6], [9, 0, 1]), ([1], [4])).wait()
+    assert eng._worker_started
     for t in tensors(dev).values():
         t.zero_()
-    assert eng.load(([0, 1, 11], [9, 0, 1]), ([3], [4])).done
+    threads.clear()
+    # An idle engine, a small load: copied before load() returns, on this thread.
+    h = eng.load(([0, 1, 11], [9, 0, 1]), ([3], [4]))
+    assert h.done and h.ok
+    assert set(threads) == {(TransferKind.LOAD, threading.current_thread().name)}
     for (name, layer), t in tensors(dev).items():
         if name in ("conv", "ssm"):
             assert same_bits(t[3], before[(name, layer)][1])
@@ -776,10 +780,11 @@ def test_small_op_on_an_idle_engine_is_copied_by_its_submitter(finished, monkeyp
     eng.fail_next()
     bad = eng.load(([0], [0]))
     assert bad.done and not bad.ok and "InjectedFailure" in (bad.error or "")
-    # Larger than inline_bytes: queued for the worker (started now), same results.
+    # Larger than inline_bytes: through the queue, same results.
     monkeypatch.setattr(eng, "inline_bytes", 1)
+    threads.clear()
     big = eng.load(([4, 7], [9, 0]))
-    assert eng._worker_started and big.wait()
+    assert big.wait() and threads
     for (name, layer), t in tensors(dev).items():
         if name not in ("conv", "ssm"):
             assert same_bits(t[[4, 7]], before[(name, layer)][[2, 5]])
@@ -787,7 +792,7 @@ def test_small_op_on_an_idle_engine_is_copied_by_its_submitter(finished, monkeyp
     assert [op for op, _, _ in finished] == [0, 1, 2, 3]
 
 
-def test_small_op_behind_queued_work_waits_its_turn(finished):
+def test_small_load_behind_queued_work_waits_its_turn(finished):
     dev, host, eng = make()
     gate, reached = threading.Event(), threading.Event()
     original = eng._layer_ready
@@ -799,11 +804,9 @@ def test_small_op_behind_queued_work_waits_its_turn(finished):
             gate.wait(timeout=30)
 
     eng._layer_ready = hold  # type: ignore[method-assign]
-    eng.inline_bytes = 0  # op 0 goes to the worker (and is held there)
-    first = eng.backup(([0, 1], [0, 1]))
+    first = eng.backup(([0, 1], [0, 1]))  # to the worker, held there
     assert reached.wait(timeout=30)
-    eng.inline_bytes = CpuTransferEngine.inline_bytes
-    second = eng.backup(([2], [2]))  # small, but the engine is busy: queued behind op 0
+    second = eng.load(([2], [2]))  # small, but the engine is busy: queued behind op 0
     assert not second.done and not first.done
     gate.set()
     assert second.wait(timeout=30) and first.done
