@@ -222,6 +222,7 @@ def replay(
         "device_slots": cache.device.num_slots,
         "end_device_state_fraction": end_states / (end_kv + end_states) if end_kv else 0.0,
     }
+    refused = internals(cache).controller.backups.refused_write_backs
     host = internals(cache).host
     if host is not None:
         pools["host_arena_blocks"] = host.arena.num_blocks if host.arena else 0
@@ -254,6 +255,7 @@ def replay(
             "device_slots": stats.evicted_device_slots,
             "host_pages": stats.evicted_host_pages,
             "host_slots": stats.evicted_host_slots,
+            "refused_write_backs": refused,
         },
         "wall_s": wall,
     }

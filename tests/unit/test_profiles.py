@@ -207,3 +207,19 @@ def test_bench_hitrate_default_policy_is_the_cache_default():
     chosen = make_policy(bench_hitrate.make_policy(args.policy, prof, 1.0), prof.cost_model())
     assert type(chosen) is DecayCostPolicy
     assert type(bench_hitrate.make_policy("gds", prof, 1.0)) is CostPolicy
+
+
+def test_bench_hitrate_write_back_gate(single_rank_group, tmp_path):
+    path = str(tmp_path / "chat.jsonl")
+    write_jsonl(make_trace(trace_shape("chat", sessions=12), seed=0), path)
+    args = [path, "--device-bytes", "1GB", "--host-bytes", "4GB"]
+    runs = {}
+    for gate in (False, True):
+        out = str(tmp_path / f"r{gate}.json")
+        flag = ["--write-back-gate"] if gate else []
+        assert bench_hitrate.main([*args, *flag, "--json", out]) == 0
+        runs[gate] = bench_common.read_json(out)
+    assert runs[True]["config"]["write_back_gate"] is True
+    assert runs[False]["results"]["evictions"]["refused_write_backs"] == 0
+    for run in runs.values():  # L2 serves with or without the gate
+        assert run["results"]["per_tier"]["host"]["reused_tokens"] > 0
