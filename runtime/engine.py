@@ -241,13 +241,16 @@ class RequestRun:
 
     def _initial_state(self) -> SeqState:
         model, req = self.model, self.req
-        if self.pages is not None and self.cache is not None and self.use_paged:
+        # A model without paged attention (a stand-in in tests, one that raises) gets the
+        # contiguous copy below.
+        paged_state = getattr(model, "paged_state", None)
+        if self.pages is not None and self.cache is not None and self.use_paged and paged_state:
             assert req is not None
             slot = req.mamba_slot if self.prefix and self.cache.spec.has_mamba else None
             try:
-                return model.paged_state(self.cache.device, self.pages, self.prefix, slot=slot)
+                return paged_state(self.cache.device, self.pages, self.prefix, slot=slot)
             except NotImplementedError:
-                pass  # a model without paged attention: the contiguous copy below
+                pass
         if self.prefix == 0 or req is None:
             return model.new_state()
         return self._state_from_cache(req)
