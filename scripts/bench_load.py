@@ -242,6 +242,7 @@ LOAD_COLUMNS = (
     Column("label", "mode", align="left"),
     Column("throughput_rps", "req/s", "{:.3f}"),
     Column("rps_vs_off", "req/s vs off", _ratio),
+    Column("rps_vs_sequential_off", "vs sequential off", _ratio),
     Column("throughput_tps", "tokens/s", "{:.0f}"),
     Column("ttft_p50_s", "TTFT p50 ms", _ms),
     Column("ttft_p99_s", "TTFT p99 ms", _ms),
@@ -484,6 +485,8 @@ def run_load(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]
     lengths = parse_numbers(args.hit_lengths, "--hit-lengths", int)
     hits = hit_ttft(args, topology, model, lengths) if lengths else []
     rows = aggregate(samples)
+    for row in rows:  # against the sequential reference (measured first, not interleaved)
+        row["rps_vs_sequential_off"] = row["throughput_rps"] / service_rps
     results_out = {
         "service_rps": service_rps,
         "sequential_wall_s": seq_wall,
