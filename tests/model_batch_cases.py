@@ -92,12 +92,15 @@ def _greedy(model: HybridModel, state: SeqState, first: torch.Tensor) -> tuple[l
     return logits, ids
 
 
-def paged_vs_contiguous(model: HybridModel, seed: int = 5) -> dict:
+def paged_vs_contiguous(model: HybridModel, seed: int = 5, *, shuffle: bool = True) -> dict:
+    """``shuffle=False``: the pages are runs of ids (the model reads pool views)."""
     vocab, ps = model.config.vocab_size, model.page_size
     ids = tokens(PROMPT, seed, vocab)
     total_pages = -(-(PROMPT + NUM_DECODE) // ps)
     pools = pools_for(model)
     pages = shuffled_pages(2 * total_pages, pools.num_pages, seed)
+    if not shuffle:
+        pages = list(range(3, 3 + 2 * total_pages))
     pages_a, rest = pages[:total_pages], pages[total_pages:]
 
     contiguous = model.new_state()  # the same chunks as the paged runs: the same sums
@@ -142,10 +145,13 @@ def batch_vs_sequential(model: HybridModel, seed: int = 9) -> dict:
     ps = model.page_size
     per_seq = -(-(max(LENGTHS) + NUM_DECODE + 1) // ps)
     pools, twin_pools = pools_for(model), pools_for(model)
-    order = shuffled_pages(pools.num_pages, pools.num_pages, seed)
+    num_pages = pools.num_pages
+    order = shuffled_pages(num_pages - per_seq, num_pages - per_seq, seed)
     states, twins, first = [], [], []
     for i, n in enumerate(LENGTHS):
         pages = order[i * per_seq : (i + 1) * per_seq]  # disjoint per sequence
+        if i == 1:  # one run of ids: the model reads a view of the pool, no gather
+            pages = sorted(range(num_pages - per_seq, num_pages))
         state, logits = _prefilled(model, n, seed + i, pools if i % 2 else None, pages)
         twin, _ = _prefilled(model, n, seed + i, twin_pools if i % 2 else None, pages)
         states.append(state)

@@ -122,8 +122,9 @@ class AttentionRows:
 
     def read(self, state: SeqState, name: str, layer: int, num_tokens: int, cp: AxisComm) -> Tensor:
         """This rank's rows of the first ``num_tokens`` tokens, in position order
-        ``[n_kept, *row]`` (contiguous: the state's own tensor; paged: gathered from the
-        pages, a transient copy)."""
+        ``[n_kept, *row]`` (contiguous: the state's own tensor; paged: a view of the pool
+        when the pages are one run of ids, else gathered from the pages, a transient copy).
+        Read only: never modify the result in place."""
         count = self.num_kept(num_tokens, cp)
         table = state.pages
         if table is None:
@@ -133,7 +134,13 @@ class AttentionRows:
         pool = _pool(table, name, layer)
         n_pages = -(-count // pool.shape[1])
         assert n_pages <= len(table.pages), (num_tokens, len(table.pages))
-        ids = torch.tensor(table.pages[:n_pages], dtype=torch.long, device=pool.device)
+        pages = table.pages[:n_pages]
+        first = pages[0] if pages else 0
+        if pages == list(range(first, first + n_pages)):
+            # One run of page ids (the allocator hands out the lowest free ones): a view of
+            # the pool itself where its pages are contiguous, no gather.
+            return pool[first : first + n_pages].flatten(0, 1)[:count]
+        ids = torch.tensor(pages, dtype=torch.long, device=pool.device)
         return pool[ids].flatten(0, 1)[:count]
 
     def append(
