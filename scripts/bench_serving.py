@@ -225,7 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-storage", action="store_true", help="leave the L3 files behind")
     p.add_argument("--no-warmup", action="store_true", help="skip the throwaway request")
     p.add_argument("--json", metavar="PATH", help="write the shared result format here")
-    p.add_argument("--plot", metavar="PATH", help="PNG of mean TTFT per turn per mode")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="PNG: mean TTFT per turn per mode (--mode load: throughput and TTFT by rate)",
+    )
     p.add_argument("--quiet", action="store_true", help="no per-mode progress lines")
     return p
 
