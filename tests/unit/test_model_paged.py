@@ -145,3 +145,30 @@ def test_bench_model_batch_smoke(tmp_path: Path) -> None:
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"batch_1", "batch_2"}
     assert all(r["batched_tok_s"] > 0 and r["sequential_tok_s"] > 0 for r in results.values())
+
+
+@pytest.mark.parametrize(
+    ("t", "length", "heads", "groups"), [(1, 300, 8, 2), (3, 40, 4, 4), (8, 9, 6, 3)]
+)
+def test_few_query_attention_equals_sdpa(t: int, length: int, heads: int, groups: int) -> None:
+    # The matmul path for few queries (decode, a full hit's last token) against SDPA's
+    # masked kernel on the same causal problem (queries at the last t positions).
+    from runtime.model import layers
+
+    gen = torch.Generator().manual_seed(t)
+    q = torch.randn(t, heads, 16, generator=gen)
+    k, v = torch.randn(2, length, groups, 16, generator=gen)
+    offset = length - t
+    got = layers._attend_few(q, k, v, offset, 0.25)
+    pos = torch.arange(offset, length)
+    mask = torch.arange(length)[None, :] <= pos[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=0.25,
+        enable_gqa=heads != groups,
+    ).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(layers.attend_causal(q, k, v, offset, 0.25), want, atol=1e-5, rtol=0)
