@@ -37,7 +37,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 _SOURCE = r"""
 #include <stddef.h>
@@ -175,30 +175,44 @@ def _cache_dir() -> str:
     return tempfile.mkdtemp(prefix="mesh_hicache_native_")
 
 
-def _build() -> ctypes.CDLL | None:
+def compile_once(
+    name: str, source: str, options: Sequence[Sequence[str]], suffix: str = ".so"
+) -> str | None:
+    """The path of ``source`` (C) built as a shared object in the per-user build folder,
+    compiled on the first call of any process with the first of ``options`` (extra ``cc``
+    arguments, e.g. ``["-lz"]``) that works; the name carries a hash of the source, so a
+    new version builds anew. Written atomically (concurrent ranks may build it at once).
+    None without a C compiler, off Linux, or when every option fails."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None or not sys.platform.startswith("linux"):
         return None
-    tag = hashlib.sha256((_SOURCE + sys.platform + os.uname().machine).encode()).hexdigest()
+    tag = hashlib.sha256((source + suffix + os.uname().machine).encode()).hexdigest()[:16]
     folder = _cache_dir()
-    lib = os.path.join(folder, f"pagehash_{tag[:16]}.so")
-    if not os.path.exists(lib):
-        src = os.path.join(folder, f"pagehash_{tag[:16]}.{os.getpid()}.c")
-        tmp = lib + f".{os.getpid()}.tmp"
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        try:
-            for crypto in ("-lcrypto", "-l:libcrypto.so.3", "-l:libcrypto.so.1.1"):
-                cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, src, crypto]
-                if subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0:
-                    os.replace(tmp, lib)
-                    break
-            else:
-                return None
-        finally:
-            for leftover in (src, tmp):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
+    lib = os.path.join(folder, f"{name}_{tag}{suffix}")
+    if os.path.exists(lib):
+        return lib
+    src = os.path.join(folder, f"{name}_{tag}.{os.getpid()}.c")
+    tmp = lib + f".{os.getpid()}.tmp"
+    with open(src, "w") as f:
+        f.write(source)
+    try:
+        for extra in options:
+            cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, src, *extra]
+            if subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0:
+                os.replace(tmp, lib)
+                return lib
+        return None
+    finally:
+        for leftover in (src, tmp):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def _build() -> ctypes.CDLL | None:
+    crypto = (["-lcrypto"], ["-l:libcrypto.so.3"], ["-l:libcrypto.so.1.1"])
+    lib = compile_once("pagehash", _SOURCE, crypto)
+    if lib is None:
+        return None
     dll = ctypes.CDLL(lib)
     dll.mh_chain.restype = ctypes.c_int
     dll.mh_chain.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
@@ -268,30 +282,15 @@ def segment_copier() -> Callable[..., None] | None:
 
 
 def _build_pack() -> Callable[[object], bytes | None] | None:
-    cc = shutil.which("cc") or shutil.which("gcc")
     include = sysconfig.get_paths().get("include")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    if cc is None or sys.byteorder != "little" or not sys.platform.startswith("linux"):
+    if sys.byteorder != "little" or not include or not suffix:
         return None
-    if not include or not suffix or not os.path.exists(os.path.join(include, "Python.h")):
+    if not os.path.exists(os.path.join(include, "Python.h")):
         return None
-    tag = hashlib.sha256((_PACK_SOURCE + suffix + os.uname().machine).encode()).hexdigest()
-    folder = _cache_dir()
-    lib = os.path.join(folder, f"mh_pack_{tag[:16]}{suffix}")
-    if not os.path.exists(lib):
-        src = os.path.join(folder, f"mh_pack_{tag[:16]}.{os.getpid()}.c")
-        tmp = lib + f".{os.getpid()}.tmp"
-        with open(src, "w") as f:
-            f.write(_PACK_SOURCE)
-        try:
-            cmd = [cc, "-O2", "-shared", "-fPIC", "-I", include, "-o", tmp, src]
-            if subprocess.run(cmd, capture_output=True, timeout=60).returncode:
-                return None
-            os.replace(tmp, lib)
-        finally:
-            for leftover in (src, tmp):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
+    lib = compile_once("mh_pack", _PACK_SOURCE, (["-I", include],), suffix)
+    if lib is None:
+        return None
     spec = importlib.util.spec_from_file_location("mh_pack", lib)
     if spec is None or spec.loader is None:
         return None

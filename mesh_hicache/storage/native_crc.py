@@ -21,10 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
-import shutil
 import struct
-import subprocess
 import sys
 import threading
 import zlib
@@ -142,31 +139,13 @@ _tried = False
 
 
 def _build() -> ctypes.CDLL | None:
-    from mesh_hicache.native import _cache_dir  # the shared per-user build folder
+    from mesh_hicache.native import compile_once  # the shared per-user build folder
 
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not sys.platform.startswith("linux") or sys.byteorder != "little":
+    if sys.byteorder != "little":
         return None
-    tag = hashlib.sha256((_SOURCE + sys.platform + os.uname().machine).encode()).hexdigest()
-    folder = _cache_dir()
-    lib = os.path.join(folder, f"chunkcrc_{tag[:16]}.so")
-    if not os.path.exists(lib):
-        src = os.path.join(folder, f"chunkcrc_{tag[:16]}.{os.getpid()}.c")
-        tmp = lib + f".{os.getpid()}.tmp"
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        try:
-            for z in ("-lz", "-l:libz.so.1"):
-                cmd = [cc, "-O2", "-shared", "-fPIC", "-o", tmp, src, z]
-                if subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0:
-                    os.replace(tmp, lib)
-                    break
-            else:
-                return None
-        finally:
-            for leftover in (src, tmp):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
+    lib = compile_once("chunkcrc", _SOURCE, (["-lz"], ["-l:libz.so.1"]))
+    if lib is None:
+        return None
     dll = ctypes.CDLL(lib)
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     dll.mh_chunk_crcs.restype = ctypes.c_uint32
