@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,3 +173,21 @@ def key_value_table(values: Mapping[str, Any], float_fmt: str = "{:.4g}") -> str
             ),
         ],
     )
+
+
+def pyplot(path: str) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend for writing ``path``, or None (and a
+    message naming the package) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            f"--plot {path}: matplotlib is not installed (pip install -e '.[plot]'); "
+            "skipping the plot",
+            file=sys.stderr,
+        )
+        return None
+    return plt

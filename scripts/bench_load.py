@@ -42,7 +42,6 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -275,17 +274,8 @@ def render_hit_table(hits: Sequence[Mapping[str, Any]]) -> str:
 def write_load_plot(rows: Sequence[Mapping[str, Any]], path: str) -> bool:
     """Throughput and TTFT p50 against the session rate, one line per mode (PNG);
     False (and a message) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            f"--plot {path}: matplotlib is not installed (pip install -e '.[plot]'); "
-            "skipping the plot",
-            file=sys.stderr,
-        )
+    plt = bench_common.pyplot(path)
+    if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for mode in LOAD_MODES:

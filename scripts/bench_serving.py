@@ -328,17 +328,8 @@ def mode_metrics(run: ModeRun, reference: ModeRun | None) -> dict[str, Any]:
 
 def write_plot(modes: Mapping[str, Mapping[str, Any]], path: str) -> bool:
     """Mean TTFT per turn per mode as a PNG; False (and a message) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            f"--plot {path}: matplotlib is not installed (pip install -e '.[plot]'); "
-            "skipping the plot",
-            file=sys.stderr,
-        )
+    plt = bench_common.pyplot(path)
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, m in modes.items():
