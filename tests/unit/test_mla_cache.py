@@ -136,7 +136,11 @@ def test_every_tier_round_trip_is_bit_exact(make_cache, tmp_path, recurrent):
     assert serve(cache, A, checkpoints=(2, 3)).prefix == 0
     got = serve(cache, A)
     assert got.served == (12, 0, 0) and got.mismatches == 0
-    # B and C push A's pages (and states) off the 6 device pages; A's copy is on host.
+    # B and C push A's pages (and states) off the 6 device pages; A's copy is on host
+    # (flushed first: a node whose backup is still in flight cannot leave the device, and
+    # the cost policy's order depends on which copies exist, so without it the victim
+    # would depend on the backup thread's timing).
+    cache.flush()
     serve(cache, B, checkpoints=(3,))
     serve(cache, C, checkpoints=(3,))
     cache.flush()
