@@ -109,5 +109,5 @@ class EvictionPolicyKind(Choice):
     LFU = "lfu"
     """Least frequently used first, then least recently used."""
     COST = "cost"
-    """The default: FLOPs a hit saves per byte, decaying exponentially with age
-    (``radix.eviction.DecayCostPolicy``)."""
+    """FLOPs a hit saves per byte, decaying exponentially with age
+    (``radix.eviction.DecayCostPolicy``; opt-in, ``lru`` is the default)."""

@@ -88,8 +88,9 @@ def parser() -> argparse.ArgumentParser:
         "--policy",
         choices=POLICIES,
         default=DEFAULT_POLICY,
-        help="eviction policy: cost (the default: saved FLOPs per byte, decaying "
-        "exponentially with age), lru, gds (GreedyDual-Size over saved FLOPs per byte), "
+        help="eviction policy: cost (this bench's default; opt-in in the cache: saved "
+        "FLOPs per byte, decaying exponentially with age), lru, gds (GreedyDual-Size over "
+        "saved FLOPs per byte), "
         "marconi (the paper's recency + alpha x FLOP efficiency baseline, --alpha)",
     )
     p.add_argument("--alpha", type=float, default=1.0, help="marconi: weight of FLOP efficiency")

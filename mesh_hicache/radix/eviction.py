@@ -247,7 +247,7 @@ class CostPolicy(EvictionPolicy):
 
 
 class DecayCostPolicy(EvictionPolicy):
-    """Saved compute per byte, decaying exponentially with age (the default ``cost``).
+    """Saved compute per byte, decaying exponentially with age (``cost``, opt-in).
 
     ``priority = last_access + horizon * ln(value / unit)``, i.e. the node of least
     ``value * exp((last_access - now) / horizon)`` goes first: ``value`` is

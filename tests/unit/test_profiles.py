@@ -197,12 +197,13 @@ def test_bench_hitrate_policies_and_baselines(single_rank_group, tmp_path, capsy
     assert "marconi_best_token_hit_rate" in capsys.readouterr().out
 
 
-def test_bench_hitrate_default_policy_is_the_cache_default():
+def test_bench_hitrate_default_policy_is_the_decay_cost_policy():
     from mesh_hicache.config import HiCacheConfig
     from mesh_hicache.radix.eviction import CostPolicy, DecayCostPolicy, make_policy
 
     args = bench_hitrate.parser().parse_args(["t.jsonl", "--device-bytes", "1GB"])
-    assert args.policy == "cost" == HiCacheConfig(device_pages=1).eviction_policy
+    assert args.policy == "cost"
+    assert HiCacheConfig(device_pages=1).eviction_policy == "lru"  # the cache's: opt-in
     prof = profile("hybrid-7b")
     chosen = make_policy(bench_hitrate.make_policy(args.policy, prof, 1.0), prof.cost_model())
     assert type(chosen) is DecayCostPolicy
