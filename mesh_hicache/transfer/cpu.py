@@ -40,6 +40,9 @@ from mesh_hicache.transfer.segments import MemRows
 #: A load of at most this many bytes is copied in one pass and published at once: it
 #: takes less time (~25 us at memory bandwidth) than publishing it layer by layer costs.
 SINGLE_PASS_BYTES = 256 << 10
+#: The worker wakes at most this long after a submission (waker.py): a caller that waits
+#: sooner copies itself. Past the 4 ms kernel tick, arming the timer costs ~3.5 us.
+WAKE_GRACE = 5e-3
 
 
 class CpuTransferEngine(TransferEngine):
@@ -47,6 +50,7 @@ class CpuTransferEngine(TransferEngine):
 
     kind = "cpu"
     inline_bytes = SINGLE_PASS_BYTES
+    wake_grace = WAKE_GRACE
 
     def __init__(self, device_pools: DevicePools, host_pools: HostPools) -> None:
         if device_pools.device.type != "cpu":

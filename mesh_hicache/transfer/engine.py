@@ -15,7 +15,8 @@ Contract:
   once at construction (:mod:`mesh_hicache.transfer.segments`); an operation's row
   addresses are computed in bulk and its rows copied in as few native calls as the
   index pattern allows (never per token). The worker takes every queued operation at
-  each wake-up and runs them back to back. A thread that calls ``wait``/``wait_layer``
+  each wake-up and runs them back to back; it wakes at most ``wake_grace`` after a
+  submission (``waker.py``), not at once. A thread that calls ``wait``/``wait_layer``
   while no one is copying runs the queued copies itself (in the same order, up to what
   it waits for) instead of waiting for the worker to be scheduled: one copying thread at
   a time, so the order and every guarantee below are the same whoever copies.
@@ -52,6 +53,7 @@ from mesh_hicache.pools.host import HostPools
 from mesh_hicache.spec import Family
 from mesh_hicache.transfer.indices import IndexPair, check_indices
 from mesh_hicache.transfer.segments import IndexArray, SegmentTable, build_segments
+from mesh_hicache.transfer.waker import make_waker
 
 
 class TransferKind(str, enum.Enum):
@@ -220,6 +222,10 @@ class TransferEngine(abc.ABC):
     #: callers poll them later and go on meanwhile). 0: never (the CUDA engine: its
     #: copies are queued on a stream anyway).
     inline_bytes: int = 0
+    #: Seconds a submission may defer the worker's wake-up (``waker.py``): a caller that
+    #: waits sooner copies the queued work itself, with no thread hand-off, and the
+    #: worker wakes at most once per this period. 0: wake at once (the CUDA engine).
+    wake_grace: float = 0.0
 
     def __init__(self, device_pools: DevicePools, host_pools: HostPools) -> None:
         if device_pools.layout is not host_pools.layout:
@@ -250,6 +256,7 @@ class TransferEngine(abc.ABC):
             target=self._loop, name=f"transfer-{self.kind}", daemon=True
         )
         self._worker_started = False
+        self._waker = make_waker(self._lock)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -278,9 +285,11 @@ class TransferEngine(abc.ABC):
             if self._closed:
                 return
             self._closed = True
-            self._lock.notify_all()
+            if self._worker_started:
+                self._waker.wake(0.0)
         if self._worker_started:
             self._worker.join()
+        self._waker.close()
 
     @property
     def closed(self) -> bool:
@@ -335,7 +344,8 @@ class TransferEngine(abc.ABC):
             else:
                 inline = False
                 self._pending.append(op)
-                self._wake_worker()
+                if not self._copying:  # a copier drains the queue or wakes the worker
+                    self._wake_worker(self.wake_grace)
         if inline:  # as ``_execute`` would, for this one op, first in line
             ok, error = True, None
             try:
@@ -350,12 +360,12 @@ class TransferEngine(abc.ABC):
                 self._release_copier()
         return handle
 
-    def _wake_worker(self) -> None:
-        """Start or wake the worker (caller holds ``_lock``)."""
+    def _wake_worker(self, grace: float = 0.0) -> None:
+        """Start the worker, wake it in ``grace`` seconds (caller holds ``_lock``)."""
         if not self._worker_started:
             self._worker.start()
             self._worker_started = True
-        self._lock.notify()
+        self._waker.wake(grace)
 
     @staticmethod
     def _indices(
@@ -376,18 +386,23 @@ class TransferEngine(abc.ABC):
             handle._notify_layers()
 
     def _loop(self) -> None:
+        waker = self._waker
         while True:
+            # Sleep while there is nothing to do or a waiter is copying: the waiter wakes
+            # us when it leaves work behind (no lock hand-off per operation).
             with self._lock:
-                # Sleep while there is nothing to do or a waiter is copying: the waiter
-                # wakes us when it leaves work behind (no lock hand-off per operation).
-                while (not self._pending or self._copying) and not (
-                    self._closed and not self._copying
-                ):
-                    self._lock.wait()
-                if not self._pending:
+                run = bool(self._pending) and not self._copying
+                if run:
+                    self._copying = True
+                    self.num_batches += 1
+                elif self._closed and not self._copying:
                     return  # closed and drained
-                self._copying = True
-                self.num_batches += 1
+                elif waker.holds_lock:
+                    waker.sleep()
+                    continue
+            if not run:
+                waker.sleep()
+                continue
             try:
                 self._execute(None, 0)
             finally:
