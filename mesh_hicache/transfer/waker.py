@@ -84,6 +84,7 @@ class TimerWaker:
         self._poll.register(tfd, select.POLLIN)
         self._poll.register(self._efd, select.POLLIN)
         self._armed = False
+        self._due = 0.0  # when the armed timer fires (monotonic seconds)
         self._specs: dict[float, _Itimerspec] = {}
 
     @classmethod
@@ -104,14 +105,15 @@ class TimerWaker:
         return cls(libc, fd)
 
     def wake(self, grace: float = 0.0) -> None:
-        """Wake the worker in ``grace`` seconds (at once for 0); a wake-up armed earlier
-        is kept (it comes no later than this one would)."""
+        """Wake the worker in ``grace`` seconds (at once for 0); an armed wake-up that
+        comes no later is kept."""
         if self._tfd < 0:
             return  # closed: a worker started after close() checks its queue first
         if grace <= 0:
             os.eventfd_write(self._efd, 1)
             return
-        if self._armed:
+        due = time.monotonic() + grace
+        if self._armed and self._due <= due:
             return
         spec = self._specs.get(grace)
         if spec is None:
@@ -119,7 +121,7 @@ class TimerWaker:
             spec = self._specs[grace] = _Itimerspec(value=_Timespec(ns // 10**9, ns % 10**9))
         if self._settime(self._tfd, 0, ctypes.byref(spec), None) != 0:
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
-        self._armed = True
+        self._armed, self._due = True, due
 
     def sleep(self) -> None:
         """Block until a wake-up (the GIL is released meanwhile), then consume it."""

@@ -812,3 +812,56 @@ def test_small_load_behind_queued_work_waits_its_turn(finished):
     assert second.wait(timeout=30) and first.done
     eng.close()
     assert [op for op, _, _ in finished] == [0, 1]  # submission order
+
+
+@pytest.mark.parametrize("waker", ["timer", "condition"])
+def test_deferred_wake_a_waiter_copies_and_an_unwaited_backup_still_runs(monkeypatch, waker):
+    from mesh_hicache.transfer import engine as engine_module
+    from mesh_hicache.transfer.waker import CondWaker, TimerWaker
+
+    if waker == "condition":
+        monkeypatch.setattr(engine_module, "make_waker", CondWaker)
+    elif TimerWaker.create() is None:
+        pytest.skip("no timerfd/eventfd on this platform")
+    gen = torch.Generator().manual_seed(5)
+    dev, host, eng = make()
+    assert isinstance(eng._waker, CondWaker if waker == "condition" else TimerWaker)
+    randomize(dev, gen)
+    before = snapshot(dev)
+    threads: list[str] = []
+    original = eng._layer_ready
+
+    def observe(op, position):
+        threads.append(threading.current_thread().name)
+        original(op, position)
+
+    eng._layer_ready = observe  # type: ignore[method-assign]
+    wakes = []  # the worker's returns from sleep
+    sleep = eng._waker.sleep
+
+    def counted() -> None:
+        sleep()
+        wakes.append(1)
+
+    eng._waker.sleep = counted  # type: ignore[method-assign]
+    # A long grace: the waiter claims the backup long before the worker would wake.
+    monkeypatch.setattr(eng, "wake_grace", 30.0)
+    first = eng.backup(([2, 5], [9, 0]))
+    assert first.wait(timeout=30)
+    assert threads == [threading.current_thread().name] and eng.num_batches == 0
+    if waker == "timer":
+        time.sleep(0.05)
+        assert not wakes  # the worker never woke for it
+    # A short grace: a backup nobody waits for completes on the worker by itself.
+    monkeypatch.setattr(eng, "wake_grace", 0.002)
+    threads.clear()
+    second = eng.backup(([6], [1]))
+    deadline = time.monotonic() + 30
+    while not second.done and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert second.ok and threads and all(t.startswith("transfer-") for t in threads)
+    for (name, layer), t in host_views(host).items():
+        if name not in ("conv", "ssm"):
+            assert same_bits(t[[9, 0, 1]], before[(name, layer)][[2, 5, 6]])
+    eng.close()
+    assert not eng._worker.is_alive()
