@@ -132,6 +132,7 @@ class FileStorage(StorageBackend):
         if not str(root):
             raise ValueError("FileStorage root must not be empty")
         self._root = Path(root).resolve()
+        self._root_str = str(self._root)  # error messages (built only on errors)
         self._max_bytes = max_bytes
         self._fsync = fsync
         self._cap = RecencyCap(max_bytes, low_watermark, int(stale_tmp_s * 1e9), _now_ns)
@@ -249,22 +250,21 @@ class FileStorage(StorageBackend):
         key_str = check_key_str(key.to_str())
         view = tensor_bytes(dst)
         dir_parts, name = _split(key_str)
-        where = str(self.object_path(key))
         try:
             d = dirs.get(dir_parts, create=False)
             if d is None:
-                raise FileNotFoundError(where)
+                raise FileNotFoundError(key_str)
             try:
                 fd = os.open(name, FILE_READ_FLAGS, dir_fd=d)
             except OSError as err:
-                bad = refused(err, d, name, where)
+                bad = refused(err, d, name, os.path.join(self._root_str, key_str))
                 if bad is not None:
                     raise bad from None
                 raise
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 os.close(fd)
-                raise UnsafeEntry(entry_kind(st.st_mode), where)
+                raise UnsafeEntry(entry_kind(st.st_mode), os.path.join(self._root_str, key_str))
         except FileNotFoundError:
             self._count(get_misses=1)
             return False

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -116,6 +116,7 @@ class KeyNamespace:
     dtype: str
     layout_version: int
     tenant: str = ""
+    _digest: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
@@ -128,6 +129,8 @@ class KeyNamespace:
             raise ValueError(
                 f"KeyNamespace.layout_version must be a non-negative int, got {version!r}"
             )
+        # Every key string starts with it: computed once (the fields are frozen).
+        object.__setattr__(self, "_digest", self._compute_digest())
 
     def digest(self) -> str:
         """32 lowercase hex chars identifying the namespace (BLAKE2b-128).
@@ -135,9 +138,12 @@ class KeyNamespace:
         Fields are length-prefixed before hashing, so no two distinct namespaces
         serialize to the same bytes (e.g. model ``"a"`` + tenant ``"bc"`` vs ``"ab"`` + ``"c"``).
         """
+        return self._digest
+
+    def _compute_digest(self) -> str:
         h = hashlib.blake2b(digest_size=_NAMESPACE_DIGEST_BYTES, person=b"mhc-namespace")
-        for field in (self.model_id, self.dtype, str(self.layout_version), self.tenant):
-            data = field.encode("utf-8")
+        for part in (self.model_id, self.dtype, str(self.layout_version), self.tenant):
+            data = part.encode("utf-8")
             h.update(struct.pack("<Q", len(data)))
             h.update(data)
         return h.hexdigest()

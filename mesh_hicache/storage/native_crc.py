@@ -191,6 +191,8 @@ def _shift_tables(chunk: int) -> ctypes.Array[ctypes.c_uint32]:
 
 def _address(view: memoryview) -> int:
     """The address of a contiguous byte view (writable or not), without a copy."""
+    if not view.readonly:  # ~5x cheaper than numpy's: it counts for 4 KiB rows
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
     return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
@@ -208,10 +210,10 @@ def chunk_crcs(payload: memoryview, chunk: int) -> tuple[bytes, int] | None:
 
 
 def crc32(payload: memoryview) -> int:
-    """``zlib.crc32(payload)``, by the fold loop for payloads of 4 KiB and more where the
+    """``zlib.crc32(payload)``, by the fold loop for payloads over 4 KiB where the
     native loop serves (about 3x zlib's speed here)."""
     dll = _dll if _tried else _load()
-    if dll is None or payload.nbytes < 4096:
+    if dll is None or payload.nbytes <= 4096:
         return zlib.crc32(payload)
     return int(dll.mh_crc(_address(payload), payload.nbytes))
 
