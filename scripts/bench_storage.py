@@ -22,8 +22,8 @@ medians over repeats, GB/s of wall time, and the v2 / v1 ratios of both.
 ``--root`` picks the folder (default: the temp dir, i.e. the disk the serving default
 root lives on; ``/dev/shm`` measures the CPU path without the file system's write
 cost). Reads hit the page cache (the rows were just written). ``--secret`` seals both with
-a keyed MAC (v1: HMAC-SHA256 of the payload; v2: that plus BLAKE2b-64 per chunk under the
-MAC'd table).
+a keyed MAC (v1: HMAC-SHA256 of the payload; v2: SipHash-2-4 per chunk under the MAC'd
+table, ``storage/native_mac.py``).
 """
 
 from __future__ import annotations

@@ -70,12 +70,13 @@ def read_whole(fd: int, size: int, codec: ObjectCodec, key: str, view: memoryvie
         )
     if extra < 0 or got < size:
         raise ObjectError("short", f"object of {got} bytes, header says {header.nbytes}")
+    checked = None
     if header.version == PLAIN_FORMAT_VERSION:
         if extra:
             raise ObjectError("length", "trailing bytes after the payload")
     else:
-        codec.decode_table(header, table)
-    codec.check_payload(header, view)
+        checked = codec.decode_table(header, table)
+    codec.check_payload(header, view, checked)
     return header.nbytes
 
 
@@ -95,9 +96,9 @@ def read_ranges(
     object is read whole."""
     header, table, start = _head_and_table(fd, codec, key, view, size)
     spans = [(0, header.nbytes)] if table is None else table.spans(ranges, gap)
-    if spans == [(0, header.nbytes)]:  # everything: one read, the cheaper whole tag
+    if spans == [(0, header.nbytes)]:  # everything: one read, the whole object's check
         _pread_exact(fd, view, start)
-        codec.check_payload(header, view)
+        codec.check_payload(header, view, table)
         return header.nbytes
     assert table is not None
     for a, b in spans:

@@ -364,9 +364,10 @@ class MooncakeStorage(RangedGets, StorageBackend):
                     raise ObjectError(
                         "length", f"header says {decoded.nbytes}, dst {views[i].nbytes}"
                     )
+                table = None
                 if decoded.version != PLAIN_FORMAT_VERSION:
-                    self.codec.decode_table(decoded, head[HEADER_SIZE:])
-                self.codec.check_payload(decoded, payload)
+                    table = self.codec.decode_table(decoded, head[HEADER_SIZE:])
+                self.codec.check_payload(decoded, payload, table)
             except ObjectError as err:
                 self._record_corrupt(err.kind, names[i], str(err))
                 continue

@@ -5,23 +5,34 @@ docs/DESIGN.md section 8. All integers little endian::
     header            64 bytes
       magic           b"MHC\\x01"   4 bytes
       format version  u16, 1 or 2
-      flags           u16, FLAG_MAC when the tags are keyed MACs
+      flags           u16, FLAG_MAC when the tags are keyed MACs (+ FLAG_CHUNK_SIP)
       key digest      32 bytes, BLAKE2b-256 of the key string
       payload length  u64
-      tag             16 bytes: CRC32 of the payload (u32, zero-padded), or with a
-                      secret HMAC-SHA256(key digest, length, payload)[:16]
+      tag             16 bytes: CRC32 of the payload (u32, zero-padded); with a secret
+                      HMAC-SHA256(key digest, length, payload)[:16] (version 1), or the
+                      table tag (version 2, FLAG_CHUNK_SIP)
     chunk table       format version 2 only
       payload length  u64, chunk bytes u32, chunk count u32
-      chunk tags      one per chunk: CRC32 (4 bytes) or, with a secret, BLAKE2b-64 (8)
+      chunk tags      one per chunk: CRC32 (4 bytes) or, with a secret, SipHash-2-4 under
+                      a subkey of the secret (8; ``native_mac.py``)
       table tag       16 bytes: CRC32 of (key digest, table), or with a secret
                       HMAC-SHA256("mhc-chunks", key digest, table)[:16]
     payload           payload length bytes (at ``HEADER_SIZE + table_size(...)``)
 
-A whole read checks the header tag only (the cost of version 1). A *ranged* read (a few
-byte ranges of the payload, for reshard on read) fetches the header, the table and the
-chunks that hold its ranges, checks the table tag, then every fetched chunk against its
-entry: it never returns a byte that was not verified. With a secret the table is under
-the MAC, so a forger must find a second preimage of a 64-bit hash for one chunk.
+A whole read checks the header tag (CRC32 objects: the cost of version 1); a sealed
+version 2 object is checked through its table: the table's MAC, then every chunk's keyed
+tag, one native pass about as fast as the HMAC of the payload that version 1 computes.
+A *ranged* read (a few byte ranges of the payload, for reshard on read) fetches the
+header, the table and the chunks that hold its ranges, checks the table tag, then every
+fetched chunk against its entry: it never returns a byte that was not verified.
+
+Threat model with a secret: whoever can write the store but lacks the secret cannot make
+a reader accept bytes the secret's holders did not write. The table MAC binds the key,
+payload length, chunk size and every chunk tag; a chunk tag is a keyed PRF of the chunk,
+so a changed chunk passes with probability 2^-64 per object a reader reads, and the
+forger cannot test candidates offline. (Sealed version 2 objects written before
+FLAG_CHUNK_SIP carry unkeyed BLAKE2b-64 chunk tags and the payload HMAC; still read.)
+Replaying an older object that was written under the same key is not prevented.
 Version 1 objects (no table) stay readable; a ranged read of one reads it whole.
 
 The key digest makes a foreign object (a file copied under another key's name, a store
@@ -34,16 +45,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
 import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from mesh_hicache.storage import native_crc
+from mesh_hicache.storage import native_crc, native_mac
+from mesh_hicache.storage.chunks import MIN_CHUNK_BYTES as MIN_CHUNK_BYTES  # re-exported
+from mesh_hicache.storage.chunks import chunk_bytes_for as chunk_bytes_for
+from mesh_hicache.storage.chunks import chunk_spans
 
 OBJECT_MAGIC = b"MHC\x01"
 OBJECT_FORMAT_VERSION = 2
@@ -52,6 +64,11 @@ PLAIN_FORMAT_VERSION = 1
 """Header + payload, no chunk table (still read; written where reads are whole)."""
 FLAG_MAC = 1
 """Header flag: the tag field is a keyed MAC (HMAC-SHA256, truncated), not a CRC32."""
+FLAG_CHUNK_SIP = 2
+"""Header flag (with FLAG_MAC, version 2): the chunk tags are SipHash-2-4 under the
+codec's chunk subkey and the header tag is the table's; the payload is checked chunk by
+chunk (no HMAC pass over it)."""
+_SIP_FLAGS = FLAG_MAC | FLAG_CHUNK_SIP
 _HEADER = struct.Struct("<4sHH32sQ16s")
 HEADER_SIZE = _HEADER.size
 """Bytes of the object header that precedes every payload (64)."""
@@ -59,8 +76,6 @@ _TABLE_HEAD = struct.Struct("<QII")
 _TAG_SIZE = 16
 MIN_SECRET_BYTES = 16
 """Shortest accepted storage secret."""
-MIN_CHUNK_BYTES = 64
-"""Smallest chunk of the table: bounds its size to 1/16 (CRC) or 1/8 (MAC) of the payload."""
 
 CORRUPT_KINDS: tuple[str, ...] = (
     "short",
@@ -103,65 +118,6 @@ def payload_checksum(payload: bytes | bytearray | memoryview) -> bytes:
     return struct.pack("<I12x", native_crc.crc32(memoryview(payload).cast("B")))
 
 
-def chunk_bytes_for(shape: Sequence[int], itemsize: int) -> int:
-    """The chunk size a writer uses for a row of ``shape``: whole last-dim vectors (one
-    head's ``D``, one token's key, ...), as few as reach ``MIN_CHUNK_BYTES``. Readers
-    slice rows along outer dims, so their byte ranges start and end on such vectors."""
-    last = (shape[-1] if shape else 1) * itemsize
-    last = max(last, 1)
-    return last * -(-MIN_CHUNK_BYTES // last)
-
-
-def chunk_spans(
-    ranges: Sequence[tuple[int, int]], nbytes: int, chunk_bytes: int, gap: int = 0
-) -> list[tuple[int, int]]:
-    """Merged ``[start, stop)`` spans on chunk bounds of a ``nbytes`` payload that cover
-    ``ranges`` (``(offset, length)`` pairs): what a ranged read fetches and verifies.
-    Spans closer than ``gap`` bytes are merged too (the gap is then read along). One numpy
-    pass for many ranges (a reader of one head in a KV page row has one per token and
-    layer). ValueError for a range outside the payload."""
-    c = chunk_bytes
-    if len(ranges) > 16:
-        return _spans_np(ranges, nbytes, c, gap)
-    out: list[tuple[int, int]] = []
-    for off, length in sorted(ranges):
-        if off < 0 or length < 0 or off + length > nbytes:
-            raise ValueError(f"range ({off}, {length}) outside a {nbytes}-byte payload")
-        if not length:
-            continue
-        lo, hi = off // c * c, min(-(-(off + length) // c) * c, nbytes)
-        if out and lo - out[-1][1] < max(gap, 1):
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
-def _spans_np(
-    ranges: Sequence[tuple[int, int]], nbytes: int, c: int, gap: int
-) -> list[tuple[int, int]]:
-    """``chunk_spans`` of many ranges in one numpy pass (same result as its loop)."""
-    flat = itertools.chain.from_iterable(ranges)  # ~2x faster than np.asarray
-    r = np.fromiter(flat, dtype=np.int64, count=2 * len(ranges)).reshape(-1, 2)
-    off, length = r[:, 0], r[:, 1]
-    bad = (off < 0) | (length < 0) | (off + length > nbytes)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"range {tuple(r[i].tolist())} outside a {nbytes}-byte payload")
-    r = r[length > 0]
-    if not len(r):
-        return []
-    r = r[np.argsort(r[:, 0], kind="stable")]
-    a = r[:, 0] // c * c
-    b = np.minimum(-(-(r[:, 0] + r[:, 1]) // c) * c, nbytes)
-    reach = np.maximum.accumulate(b)
-    new = np.ones(len(a), dtype=bool)
-    new[1:] = a[1:] - reach[:-1] >= max(gap, 1)
-    starts = np.flatnonzero(new)
-    stops = np.append(starts[1:], len(a)) - 1
-    return list(zip(a[starts].tolist(), reach[stops].tolist(), strict=True))
-
-
 def table_size(nbytes: int, chunk_bytes: int, keyed: bool) -> int:
     """Bytes of the chunk table of a ``nbytes`` payload cut in ``chunk_bytes`` chunks."""
     count = -(-nbytes // chunk_bytes)
@@ -187,6 +143,10 @@ class ChunkTable:
     chunk_bytes: int
     tags: bytes
     keyed: bool
+    sip_key: bytes | None = None
+    """The chunk subkey when the tags are SipHash-2-4 (FLAG_CHUNK_SIP objects)."""
+    tag: bytes = b""
+    """The verified table tag."""
 
     def spans(self, ranges: Sequence[tuple[int, int]], gap: int = 0) -> list[tuple[int, int]]:
         """``chunk_spans`` of ``ranges`` for this table's payload."""
@@ -197,6 +157,14 @@ class ChunkTable:
         ``payload`` (the whole payload's view, only those spans filled) matches."""
         width = 8 if self.keyed else 4
         c = self.chunk_bytes
+        if self.sip_key is not None:  # one native call per span
+            for a, b in spans:
+                first = native_mac.first_bad_chunk(
+                    self.sip_key, payload, c, a // c, -(-b // c), self.tags
+                )
+                if first >= 0:
+                    raise ObjectError("mac", f"chunk {first} does not match its keyed tag")
+            return
         if not self.keyed:  # one native call per span where available
             for a, b in spans:
                 bad = native_crc.first_bad_chunk(payload, c, a // c, -(-b // c), self.tags)
@@ -218,7 +186,7 @@ class ChunkTable:
 
 
 def _chunk_tag(chunk: memoryview, keyed: bool) -> bytes:
-    if keyed:
+    if keyed:  # sealed objects written before FLAG_CHUNK_SIP
         return hashlib.blake2b(chunk, digest_size=8).digest()
     return struct.pack("<I", zlib.crc32(chunk))
 
@@ -234,7 +202,8 @@ class ObjectCodec:
     (another tenant) or unsealed -- fails with kind "mac" or "unsealed", i.e. is a miss.
     A reader without a secret likewise refuses MAC-sealed objects ("unsealed"), since it
     cannot check them. HMAC-SHA256 rather than keyed BLAKE2b: about 2x faster where SHA
-    extensions exist.
+    extensions exist. Format version 2 chunk tags are SipHash-2-4 under a second subkey of
+    the secret (``native_mac.py``), the table under the HMAC.
     """
 
     def __init__(self, secret: bytes | None = None) -> None:
@@ -245,8 +214,14 @@ class ObjectCodec:
                 raise ValueError(
                     f"storage secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
                 )
-            # Derive a fixed-size key so secrets of any length and origin behave alike.
+            # Derive fixed-size keys so secrets of any length and origin behave alike; the
+            # two personalisations make the HMAC key and the chunk key independent.
+            self._sip_key: bytes | None = hashlib.blake2b(
+                secret, digest_size=16, person=b"mhc-chunk-sip"
+            ).digest()
             secret = hashlib.blake2b(secret, digest_size=32, person=b"mhc-mac-key").digest()
+        else:
+            self._sip_key = None
         self._mac_key = secret
 
     @property
@@ -274,7 +249,11 @@ class ObjectCodec:
         self, key: str, payload: bytes | bytearray | memoryview, *, chunked: bool = False
     ) -> bytes:
         """The 64-byte header for ``payload`` stored under ``key`` (write it, then --
-        ``chunked``, format version 2 -- ``encode_table``'s bytes, then the payload)."""
+        ``chunked``, format version 2 -- ``encode_table``'s bytes, then the payload).
+        ValueError for ``chunked`` with a secret: that header holds the table's tag
+        (``encode_chunked`` gives both)."""
+        if chunked and self.keyed:
+            raise ValueError("a sealed format 2 header carries its table's tag: use encode_chunked")
         digest = key_digest(key)
         flags = FLAG_MAC if self.keyed else 0
         nbytes = memoryview(payload).nbytes
@@ -297,24 +276,29 @@ class ObjectCodec:
         view = memoryview(payload).cast("B")
         digest = key_digest(key)
         n = view.nbytes
-        fast = None if self.keyed else native_crc.chunk_crcs(view, chunk_bytes)
+        head = _TABLE_HEAD.pack(n, chunk_bytes, -(-n // chunk_bytes))
+        if self._sip_key is not None:  # the payload's one pass: the keyed chunk tags
+            body = head + native_mac.chunk_tags(self._sip_key, view, chunk_bytes)
+            table_tag = self._table_tag(digest, body)
+            v2 = OBJECT_FORMAT_VERSION
+            header = _HEADER.pack(OBJECT_MAGIC, v2, _SIP_FLAGS, digest, n, table_tag)
+            return header, body + table_tag
+        fast = native_crc.chunk_crcs(view, chunk_bytes)
         if fast is not None:
             tags, whole = fast
-            tag = struct.pack("<I12x", whole)
         else:
-            tags = self._chunk_tags(view, chunk_bytes)
-            tag = self.tag(digest, view)
-        flags = FLAG_MAC if self.keyed else 0
-        header = _HEADER.pack(OBJECT_MAGIC, OBJECT_FORMAT_VERSION, flags, digest, n, tag)
-        body = _TABLE_HEAD.pack(n, chunk_bytes, -(-n // chunk_bytes)) + tags
+            tags, whole = self._chunk_crcs(view, chunk_bytes), native_crc.crc32(view)
+        header = _HEADER.pack(
+            OBJECT_MAGIC, OBJECT_FORMAT_VERSION, 0, digest, n, struct.pack("<I12x", whole)
+        )
+        body = head + tags
         return header, body + self._table_tag(digest, body)
 
-    def _chunk_tags(self, view: memoryview, chunk_bytes: int) -> bytes:
+    @staticmethod
+    def _chunk_crcs(view: memoryview, chunk_bytes: int) -> bytes:
         # A generator, not a list: thousands of live memoryviews trigger the cyclic GC
         # (measured 4 us per chunk of a 4 MiB row with a list, ~0.3 us without).
         chunks = (view[i : i + chunk_bytes] for i in range(0, view.nbytes, chunk_bytes))
-        if self.keyed:
-            return b"".join([hashlib.blake2b(c, digest_size=8).digest() for c in chunks])
         count = -(-view.nbytes // chunk_bytes)
         return struct.pack(f"<{count}I", *map(zlib.crc32, chunks))
 
@@ -334,7 +318,11 @@ class ObjectCodec:
             raise ObjectError("version", f"format version {version} is not 1 or 2")
         if digest != key_digest(key):
             raise ObjectError("foreign", f"object was written for another key than {key}")
-        if flags != (FLAG_MAC if self.keyed else 0):
+        if self.keyed:  # FLAG_CHUNK_SIP needs a chunk table
+            ok = flags == FLAG_MAC or (flags == _SIP_FLAGS and version == OBJECT_FORMAT_VERSION)
+        else:
+            ok = flags == 0
+        if not ok:
             want = "a MAC (a secret is set)" if self.keyed else "a CRC32 (no secret is set)"
             raise ObjectError("unsealed", f"header flags {flags:#x}; this reader needs {want}")
         return ObjectHeader(nbytes, flags, tag, digest, version)
@@ -357,13 +345,27 @@ class ObjectCodec:
         body, tag = bytes(view[:-_TAG_SIZE]), bytes(view[-_TAG_SIZE:])
         if not hmac.compare_digest(self._table_tag(header.digest, body), tag):
             raise ObjectError("mac" if self.keyed else "checksum", "chunk table tag mismatch")
-        return ChunkTable(nbytes, chunk, body[_TABLE_HEAD.size :], self.keyed)
+        sip = self._sip_key if header.flags & FLAG_CHUNK_SIP else None
+        return ChunkTable(nbytes, chunk, body[_TABLE_HEAD.size :], self.keyed, sip, tag)
 
-    def check_payload(self, header: ObjectHeader, payload: bytes | bytearray | memoryview) -> None:
-        """Raise ObjectError ("short", "checksum" or "mac") unless ``payload`` matches."""
+    def check_payload(
+        self,
+        header: ObjectHeader,
+        payload: bytes | bytearray | memoryview,
+        table: ChunkTable | None = None,
+    ) -> None:
+        """Raise ObjectError ("short", "checksum" or "mac") unless ``payload`` matches.
+        ``table``: the object's decoded chunk table (format version 2; a sealed object of
+        FLAG_CHUNK_SIP is checked through it and needs it)."""
         got = memoryview(payload).nbytes
         if got != header.nbytes:
             raise ObjectError("short", f"payload of {got} bytes, header says {header.nbytes}")
+        if header.flags & FLAG_CHUNK_SIP:
+            assert table is not None and table.sip_key is not None, "the table is needed"
+            if not hmac.compare_digest(table.tag, header.tag):
+                raise ObjectError("mac", "header and chunk table tags differ")
+            table.check(memoryview(payload).cast("B"), [(0, got)] if got else [])
+            return
         if not hmac.compare_digest(self.tag(header.digest, payload), header.tag):
             if self.keyed:
                 raise ObjectError("mac", "payload MAC mismatch (forged or another secret)")
@@ -375,8 +377,9 @@ class ObjectCodec:
         """The whole stored blob for backends that store one: header + payload, with the
         chunk table in between (format version 2) when ``chunk_bytes`` is given."""
         view = memoryview(payload).cast("B")
-        header = self.encode_header(key, view, chunked=chunk_bytes is not None)
-        table = b"" if chunk_bytes is None else self.encode_table(key, view, chunk_bytes)
+        if chunk_bytes is None:
+            return self.encode_header(key, view) + bytes(view)
+        header, table = self.encode_chunked(key, view, chunk_bytes)
         return header + table + bytes(view)
 
     def decode_object(
@@ -394,11 +397,12 @@ class ObjectCodec:
                 "length", f"object holds {header.nbytes} bytes, destination {expected_nbytes}"
             )
         payload = view[HEADER_SIZE:]
+        table = None
         if header.version == OBJECT_FORMAT_VERSION:
             n = max(payload.nbytes - header.nbytes, 0)
-            self.decode_table(header, payload[:n])
+            table = self.decode_table(header, payload[:n])
             payload = payload[n:]
-        self.check_payload(header, payload)
+        self.check_payload(header, payload, table)
         return payload
 
 

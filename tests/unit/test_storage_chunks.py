@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import struct
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from mesh_hicache.layout import GlobalSlice
-from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey, native_crc
+from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey, native_crc, native_mac
 from mesh_hicache.storage.keys import HEADER_SIZE
 from mesh_hicache.storage.objects import ObjectCodec, chunk_bytes_for, chunk_spans, table_size
 
@@ -29,6 +30,13 @@ def python_only(monkeypatch):
 def _python_tags(data: bytes, chunk: int) -> bytes:
     crcs = [zlib.crc32(data[i : i + chunk]) for i in range(0, len(data), chunk)]
     return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def _blake2b_tags(data: bytes, chunk: int) -> bytes:
+    return b"".join(
+        hashlib.blake2b(data[i : i + chunk], digest_size=8).digest()
+        for i in range(0, len(data), chunk)
+    )
 
 
 def test_native_loop_equals_zlib_per_chunk_and_whole():
@@ -55,20 +63,27 @@ def test_encode_chunked_is_the_same_bytes_with_and_without_the_native_loop(secre
     rng = random.Random(1)
     cases = [(rng.randbytes(n), c) for n, c in [(300, 64), (65536, 256), (100_000, 512)]]
     fast = [codec.encode_chunked("k", memoryview(d), c) for d, c in cases]
-    monkeypatch.setattr(native_crc, "_dll", None)
-    monkeypatch.setattr(native_crc, "_tried", True)
+    for module in (native_crc, native_mac):  # the numpy / zlib loops serve
+        monkeypatch.setattr(module, "_dll", None)
+        monkeypatch.setattr(module, "_tried", True)
     slow = [codec.encode_chunked("k", memoryview(d), c) for d, c in cases]
     assert fast == slow
     for (data, chunk), (header, table) in zip(cases, slow, strict=True):
         head = codec.decode_header("k", header)
-        codec.check_payload(head, data)  # the header tag is the whole payload's
         parsed = codec.decode_table(head, table)
+        codec.check_payload(head, data, parsed)
         assert parsed.chunk_bytes == chunk and len(table) == table_size(
             len(data), chunk, codec.keyed
         )
         if secret is None:
             assert parsed.tags == _python_tags(data, chunk)
-        assert header == codec.encode_header("k", data, chunked=True)
+            codec.check_payload(head, data)  # the header tag is the whole payload's CRC
+            assert header == codec.encode_header("k", data, chunked=True)
+        else:  # the header carries the table's MAC; the tags are keyed
+            assert head.tag == table[-16:]
+            assert parsed.tags != _blake2b_tags(data, chunk)
+            with pytest.raises(ValueError, match="encode_chunked"):
+                codec.encode_header("k", data, chunked=True)
 
 
 def _key(i: int, sl: GlobalSlice) -> StorageKey:
