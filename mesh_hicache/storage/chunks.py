@@ -4,6 +4,7 @@ format; these are pure functions of sizes and ranges)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -32,7 +33,11 @@ def chunk_spans(
     layer). ValueError for a range outside the payload."""
     c = chunk_bytes
     if len(ranges) > 16:
-        return _spans_np(ranges, nbytes, c, gap)
+        # A reader sends the same ranges for every page of a region: computed once.
+        try:
+            return list(_spans_np_cached(tuple(ranges), nbytes, c, gap))
+        except TypeError:  # unhashable pairs (lists): not cached
+            return _spans_np(ranges, nbytes, c, gap)
     out: list[tuple[int, int]] = []
     for off, length in sorted(ranges):
         if off < 0 or length < 0 or off + length > nbytes:
@@ -45,6 +50,13 @@ def chunk_spans(
         else:
             out.append((lo, hi))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _spans_np_cached(
+    ranges: tuple[tuple[int, int], ...], nbytes: int, c: int, gap: int
+) -> tuple[tuple[int, int], ...]:
+    return tuple(_spans_np(ranges, nbytes, c, gap))
 
 
 def _spans_np(
