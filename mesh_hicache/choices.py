@@ -111,3 +111,6 @@ class EvictionPolicyKind(Choice):
     COST = "cost"
     """FLOPs a hit saves per byte, decaying exponentially with age
     (``radix.eviction.DecayCostPolicy``; opt-in, ``lru`` is the default)."""
+    ADAPTIVE = "adaptive"
+    """``cost`` with its horizon scaled to the victims' mean age, learnt online
+    (``radix.adaptive.AdaptiveCostPolicy``; opt-in)."""

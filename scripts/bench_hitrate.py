@@ -42,7 +42,7 @@ from runtime.profiles import ModelProfile, load_hf_config, profile
 from runtime.replay import SPLITS, TIERS, Replayer, budget_cache
 from runtime.traces import TraceRequest, read_jsonl
 
-POLICIES = ("lru", "cost", "gds", "marconi")
+POLICIES = ("lru", "cost", "adaptive", "gds", "marconi")
 DEFAULT_POLICY = "cost"
 _UNITS = {
     "": 1,
@@ -89,7 +89,8 @@ def parser() -> argparse.ArgumentParser:
         choices=POLICIES,
         default=DEFAULT_POLICY,
         help="eviction policy: cost (this bench's default; opt-in in the cache: saved "
-        "FLOPs per byte, decaying exponentially with age), lru, gds (GreedyDual-Size over "
+        "FLOPs per byte, decaying exponentially with age), adaptive (cost with its horizon "
+        "scaled online to the victims' mean age), lru, gds (GreedyDual-Size over "
         "saved FLOPs per byte), "
         "marconi (the paper's recency + alpha x FLOP efficiency baseline, --alpha)",
     )

@@ -23,10 +23,12 @@ from __future__ import annotations
 import abc
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from mesh_hicache.radix.node import TreeNode
     from mesh_hicache.spec import StateSpec
 
 
@@ -82,6 +84,12 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
         """Priority of a candidate for ``target``; smaller is evicted earlier. Pure."""
+
+    on_evict: Callable[[TreeNode, EvictTarget, NodeStats, int], None] | None = None
+    """None, or called by the queues with each victim they pop, its stats as ranked and the
+    tree's logical clock. A policy that learns from it (``AdaptiveCostPolicy``) changes its
+    state only there, the same on every rank, and keeps a stored key valid: ``priority``
+    stays a function of the stats and of that fixed past."""
 
     def select(self, entries: list[tuple[Any, ...]], target: EvictTarget) -> int | None:
         """Index into ``entries`` (a target's queue, in priority order) of the victim to take
@@ -306,7 +314,11 @@ def make_policy(kind: str | EvictionPolicy, cost: CostModel) -> EvictionPolicy:
         return LFUPolicy()
     if kind == "cost":
         return DecayCostPolicy(cost)
-    raise ValueError(f"eviction policy {kind!r}; choose from ('lru', 'lfu', 'cost')")
+    if kind == "adaptive":
+        from mesh_hicache.radix.adaptive import AdaptiveCostPolicy  # it imports this module
+
+        return AdaptiveCostPolicy(cost)
+    raise ValueError(f"eviction policy {kind!r}; choose from ('lru', 'lfu', 'cost', 'adaptive')")
 
 
 class MarconiPolicy(EvictionPolicy):

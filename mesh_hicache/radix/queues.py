@@ -168,6 +168,7 @@ class EvictionQueues:
         self._path = policy.path_stats
         self._aging = policy.aging
         self._select = type(policy).select is not EvictionPolicy.select
+        self._on_evict = policy.on_evict  # None unless the policy learns from its victims
         # LRU's key is (last_access, id, node) for every target: built directly, once per
         # update, without a NodeStats (the same entries the generic path would build).
         self._lru = type(policy).priority is LRUPolicy.priority and not self._aging
@@ -218,6 +219,10 @@ class EvictionQueues:
             while parent is not None and not parent.is_sentinel and not parent.has_mamba_state:
                 parent = parent.parent
         node.anchor_len = parent.prefix_len if parent is not None and not parent.is_sentinel else 0
+
+    def _now(self) -> int:
+        """The tree's logical clock (the latest ``last_access`` seen without one)."""
+        return self._clock() if self._clock is not None else self._seen
 
     def _age(self, target: EvictTarget, key: Entry) -> None:
         """GreedyDual: the tier's clock becomes the victim's priority (never decreases);
@@ -298,6 +303,8 @@ class EvictionQueues:
                 node = chosen[-1]
                 queue.remove(chosen)
                 node.queue_entry[q] = None
+                if self._on_evict is not None:
+                    self._on_evict(node, target, self.stats(node, target), self._now())
                 return node
         first = self.head(target)
         if first is None:
@@ -307,6 +314,8 @@ class EvictionQueues:
         node.queue_entry[q] = None
         if self._aging:
             self._age(target, first)
+        if self._on_evict is not None:
+            self._on_evict(node, target, self.stats(node, target), self._now())
         return node
 
     def head(self, target: EvictTarget) -> Entry | None:

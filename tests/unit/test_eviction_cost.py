@@ -12,6 +12,7 @@ import torch
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.radix import EvictTarget, Family, PoolUsage, RadixKey, RadixTree, Tier
+from mesh_hicache.radix.adaptive import AdaptiveCostPolicy
 from mesh_hicache.radix.eviction import (
     CostModel,
     CostPolicy,
@@ -316,10 +317,11 @@ def _stress(policy_factory, seed: int) -> tuple[str, list[int]]:
     [
         lambda: CostPolicy(COST),
         lambda: DecayCostPolicy(COST, horizon=3.0),
+        lambda: AdaptiveCostPolicy(COST, scale=2.0, horizon=30.0),
         lambda: MarconiPolicy(COST, 1.0),
         lambda: MarconiPolicy(COST, 0.0),
     ],
-    ids=["gds", "decay", "marconi", "marconi-alpha0"],
+    ids=["gds", "decay", "adaptive", "marconi", "marconi-alpha0"],
 )
 def test_random_operations_keep_invariants_and_are_deterministic(factory):
     a = _stress(factory, seed=11)
