@@ -171,7 +171,12 @@ class Side:
         # Per timed call: nodes it removed, device pages it freed.
         self.victims: dict[str, list[int]] = {"evict": [], "evict_m": []}
         self.freed: dict[str, list[int]] = {"evict": [], "evict_m": []}
-        self.old = name == "old"
+        # The facade's key building of 4301f1e (token ints into a tuple) where the
+        # package predates packed keys.
+        self.old = not hasattr(mod, "pack_tokens")
+        # --flush-mb: caches are flushed (a copy of that many MiB) before each eviction call.
+        mb = getattr(args, "flush_mb", 0)
+        self.flush = (bytearray(mb << 20), bytes(mb << 20)) if mb else None
         # CPU time of this thread: time spent descheduled on a loaded machine is not counted.
         self.clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
@@ -189,6 +194,8 @@ class Side:
         self.evict_calls += 1
         clock = self.clock
         nodes = self.tree.num_nodes
+        if self.flush is not None and record:
+            self.flush[0][:] = self.flush[1]  # every cache level cold, whatever the tree size
         t0 = clock()
         if what == "evict":
             r = self.tree.evict_device(n)
@@ -335,20 +342,26 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_flatness(args: argparse.Namespace) -> dict[str, Any]:
-    """NEW trees at every size of ``args.pages`` (scaled workloads), timed requests in
-    blocks rotating over the sizes; eviction per call per size."""
+def run_flatness(args: argparse.Namespace, old: ModuleType | None = None) -> dict[str, Any]:
+    """NEW trees (and OLD ones too when ``old`` is given: same workloads, in the same
+    rotation) at every size of ``args.pages`` (scaled workloads), timed requests in blocks
+    rotating over the trees; eviction per call per size."""
     sides: list[Side] = []
     works: list[Workload] = []
-    for pages in args.pages:
-        cfg = scaled(argparse.Namespace(**{**vars(args), "pages": pages}))
-        side, work = Side("new", new_radix, cfg), Workload(cfg)
-        while not side.evict_calls:
-            side.request(*work.next(), record=False)
-        for _ in range(args.warmup):
-            side.request(*work.next(), record=False)
-        sides.append(side)
-        works.append(work)
+    names: list[str] = []
+    for version, mod in (("new", new_radix), ("old", old)):
+        if mod is None:
+            continue
+        for pages in args.pages:
+            cfg = scaled(argparse.Namespace(**{**vars(args), "pages": pages}))
+            side, work = Side(version, mod, cfg), Workload(cfg)
+            while not side.evict_calls:
+                side.request(*work.next(), record=False)
+            for _ in range(args.warmup):
+                side.request(*work.next(), record=False)
+            sides.append(side)
+            works.append(work)
+            names.append(str(pages) if version == "new" else f"old_{pages}")
     gc.collect()
     gc.freeze()
     gc.disable()
@@ -364,19 +377,23 @@ def run_flatness(args: argparse.Namespace) -> dict[str, Any]:
         turn += 1
     gc.enable()
     out: dict[str, Any] = {"page_size": args.page_size, "requests": args.flat_requests}
-    for pages, side in zip(args.pages, sides, strict=True):
-        out[str(pages)] = {
+    for name, side in zip(names, sides, strict=True):
+        out[name] = {
             "evict": summary(side.times["evict"]),
+            "evict_m": summary(side.times["evict_m"]),
+            "evict_per_removed_node": summary(side.per_node["evict"]),
             "victims_per_call": counts(side.victims["evict"]),
             "pages_freed_per_call": counts(side.freed["evict"]),
             "tree_nodes": side.tree.num_nodes,
+            "hit_tokens": side.hit_tokens,
         }
-    small = out[str(args.pages[0])]["evict"]
-    for pages in args.pages:
-        e = out[str(pages)]["evict"]
-        if e.get("n") and small.get("n"):
-            e["p99_over_smallest"] = e["p99_us"] / small["p99_us"]
-            e["mean_over_smallest"] = e["mean_us"] / small["mean_us"]
+    for prefix in ("", "old_") if old is not None else ("",):
+        small = out[f"{prefix}{args.pages[0]}"]["evict"]
+        for pages in args.pages:
+            e = out[f"{prefix}{pages}"]["evict"]
+            if e.get("n") and small.get("n"):
+                e["p99_over_smallest"] = e["p99_us"] / small["p99_us"]
+                e["mean_over_smallest"] = e["mean_us"] / small["mean_us"]
     return out
 
 
@@ -544,6 +561,21 @@ def main() -> None:
         default=1500,
         help="timed requests per size of the NEW-only flatness run (0: skip it)",
     )
+    p.add_argument(
+        "--flat-only", action="store_true", help="only the flatness run (no OLD/NEW configs)"
+    )
+    p.add_argument(
+        "--flat-old",
+        action="store_true",
+        help="the flatness run also drives OLD trees (--old-rev) in the same rotation",
+    )
+    p.add_argument(
+        "--flush-mb",
+        type=int,
+        default=0,
+        help="copy this many MiB before each eviction call (flushes the CPU caches: shows "
+        "what eviction costs when no size keeps its working set cached)",
+    )
     p.add_argument("--no-mamba", dest="mamba", action="store_false", help="KV-only trees")
     p.add_argument("--old-rev", default="4301f1e", help="git revision of the OLD tree")
     p.add_argument("--seed", type=int, default=0)
@@ -559,13 +591,14 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cpu = pin()
     results: dict[str, Any] = {"pinned_cpu": cpu, "configs": [], "hashing": {}}
+    results["load_average_start"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_radix(args.old_rev, tmp)
         sgl, why = build_sglang_like_hash(tmp)
         if sgl is None:
             print(f"SGLang-approach hash skipped: {why}")
         results["sglang_hash_baseline"] = why or "built"
-        for ps in args.hash_page_sizes:
+        for ps in [] if args.flat_only else args.hash_page_sizes:
             results["hashing"][str(ps)] = h = bench_hashing(old, sgl, ps, 200)
             print(
                 f"ps={ps:3d} hash us/page: new {h['new_chained']:.3f} old {h['old_chained']:.3f}"
@@ -574,7 +607,7 @@ def main() -> None:
                 f" hash(tuple) {h['builtin_hash_page_tuple']:.3f}"
                 f" -> new/sglang {h.get('new_over_sglang_native', float('nan')):.2f}"
             )
-        for ps in args.page_sizes:
+        for ps in [] if args.flat_only else args.page_sizes:
             for pages in args.pages:
                 cfg = argparse.Namespace(**{**vars(args), "page_size": ps, "pages": pages})
                 t0 = time.perf_counter()
@@ -605,18 +638,24 @@ def main() -> None:
         results["flatness"] = []
         for ps in args.page_sizes if args.flat_requests > 0 else []:
             cfg = argparse.Namespace(**{**vars(args), "page_size": ps})
-            f = run_flatness(cfg)
+            f = run_flatness(cfg, old if args.flat_old else None)
             results["flatness"].append(f)
-            for pages in args.pages:
-                e, v = f[str(pages)]["evict"], f[str(pages)]["victims_per_call"]
+            names = [str(p) for p in args.pages]
+            names += [f"old_{p}" for p in args.pages] if args.flat_old else []
+            for pages in names:
+                e, v = f[pages]["evict"], f[pages]["victims_per_call"]
+                pn = f[pages]["evict_per_removed_node"]
                 print(
-                    f"flat ps={ps:3d} pages={pages:6d} evict {e['mean_us']:.1f}/{e['p50_us']:.1f}"
+                    f"flat ps={ps:3d} pages={pages:>10} evict {e['mean_us']:.1f}/{e['p50_us']:.1f}"
                     f"/{e['p99_us']:.1f} us (mean/p50/p99) p99/smallest"
                     f" {e.get('p99_over_smallest', float('nan')):.2f}"
                     f" victims/call {v['mean']:.2f}/{v['p99']}"
-                    f" pages/call {f[str(pages)]['pages_freed_per_call']['mean']:.1f}",
+                    f" pages/call {f[pages]['pages_freed_per_call']['mean']:.1f}"
+                    f" per removed node {pn['mean_us']:.1f}/{pn['p99_us']:.1f} us",
                     flush=True,
                 )
+    results["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"load average: start {results['load_average_start']} end {results['load_average_end']}")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         bench_common.write_json(bench_common.make_result("radix", config, results), args.json)

@@ -21,7 +21,8 @@ A touch (match or insert through a node) only stores the node's new ``last_acces
 (``EvictionPolicy.monotone``, true for LRU and LFU) a stored key is a lower bound of the
 node's current key, so ``pop`` re-keys the first entry until its stored key is current,
 which makes it the true minimum. The tree calls ``update(node)`` after every other change
-that may alter candidacy or priority.
+that may alter candidacy or priority; under LRU (whose key only a touch changes) it only
+adds and drops candidates and never re-keys a queued one.
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ class EvictionQueues:
         self._select = type(policy).select is not EvictionPolicy.select
         self._on_evict = policy.on_evict  # None unless the policy learns from its victims
         # LRU's key is (last_access, id, node) for every target: built directly, once per
-        # update, without a NodeStats (the same entries the generic path would build).
+        # update, without a NodeStats (the same entries the generic path would build), and
+        # a queued node is not re-keyed by an update (``_update_lru``).
         self._lru = type(policy).priority is LRUPolicy.priority and not self._aging
         self._seen = 0
         # Per tier (0 device, 1 host): GreedyDual clock steps (from logical time, value).
@@ -240,33 +242,53 @@ class EvictionQueues:
 
     def update(self, node: TreeNode) -> None:
         """Make ``node``'s membership and keys match its current state (after a change)."""
+        if self._lru:
+            self._update_lru(node)
+            return
         held = node.queue_entry
         queues = self._queues
-        lru = self._lru
         refreshed = False
         stats: NodeStats | None = None
-        new: Entry | None = None
         for q, wanted in enumerate(candidacy(node)):
             old = held[q]
             if wanted:
                 if not refreshed:
                     self._refresh(node)
                     refreshed = True
-                    if lru:
-                        new = (node.last_access, node.id, node)  # the same for every target
-                if not lru:
-                    target = TARGETS[q]
-                    if stats is None or self._aging:  # the tier's clock enters the stats
-                        stats = self.stats(node, target)
-                    new = (*self.policy.priority(stats, target), node.id, node)
+                target = TARGETS[q]
+                if stats is None or self._aging:  # the tier's clock enters the stats
+                    stats = self.stats(node, target)
+                new = (*self.policy.priority(stats, target), node.id, node)
                 if old is not None:
                     if old == new:
                         continue
                     queues[q].remove(old)
-                queues[q].add(new)  # type: ignore[arg-type]
+                queues[q].add(new)
                 held[q] = new
             elif old is not None:
                 queues[q].remove(old)
+                held[q] = None
+
+    def _update_lru(self, node: TreeNode) -> None:
+        """``update`` for LRU: a node already queued keeps its entry. Its key is its
+        ``last_access``, which only a touch changes and only upwards, so the stored key
+        stays a lower bound that ``head`` re-keys once it reaches the front: no queue
+        work here for a node that only changed its neighbours (an evicted child, a lock),
+        and none at all for nodes removed before they reach the front."""
+        held = node.queue_entry
+        new: Entry | None = None
+        for q, wanted in enumerate(candidacy(node)):
+            old = held[q]
+            if wanted:
+                if old is None:
+                    if new is None:
+                        if node.last_access > self._seen:
+                            self._seen = node.last_access
+                        new = (node.last_access, node.id, node)
+                    self._queues[q].add(new)
+                    held[q] = new
+            elif old is not None:
+                self._queues[q].remove(old)
                 held[q] = None
 
     def remove(self, node: TreeNode) -> None:
