@@ -381,18 +381,19 @@ def test_an_inner_state_ages_from_its_last_use_as_a_resume_point():
     tree.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["cost", "adaptive"])
 def test_exact_resume_from_every_tier_under_the_cost_policy(
-    one_rank_topology, tmp_path, monkeypatch
+    one_rank_topology, tmp_path, monkeypatch, policy
 ):
-    # The engine's resume scenarios (tests/engine_cases.py) with eviction_policy="cost".
+    # The engine's resume scenarios (tests/engine_cases.py) with a cost-aware policy.
     import functools
 
     import tests.engine_cases as cases
 
     monkeypatch.setattr(
-        cases, "HiCacheConfig", functools.partial(HiCacheConfig, eviction_policy="cost")
+        cases, "HiCacheConfig", functools.partial(HiCacheConfig, eviction_policy=policy)
     )
-    assert cases.HiCacheConfig(device_pages=1).eviction_policy == "cost"
+    assert cases.HiCacheConfig(device_pages=1).eviction_policy == policy
     checks = cases.resume_scenarios(one_rank_topology, root=str(tmp_path))
     for c in checks:
         assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
