@@ -16,7 +16,12 @@ mode (off, L1, L1+L2, L1+L2+L3), each run on a fresh cache, in one process:
    served with ``--concurrency`` requests in flight. Repetitions alternate the modes'
    order (forward, reversed), so a drift of the shared machine's load does not favour
    one mode; every ratio against cache-off is taken within one repetition and rate, then
-   the median over repetitions is reported.
+   the median over repetitions is reported. Every repetition also serves the trace
+   sequentially cache-off once (the run of step 1 for the first; before its modes for
+   even, after them for odd ones): ``vs sequential off`` is taken against that
+   repetition's run, in req/s and in process CPU seconds (``CPU vs sequential off``:
+   sequential CPU / the run's; on a shared box wall-time ratios against one run measured
+   minutes earlier swung by 0.3x).
 3. **Hit TTFT**: a prompt of N + 1 tokens is served once (cold), then again: the second
    is a full-prefix L1 hit of N tokens. Reported per N (``--hit-lengths``, default 512,
    2048, 8192): the hit's TTFT (median of ``--hit-repeats``) next to the cold one.
@@ -170,6 +175,7 @@ METRICS = (
     "decode_tokens_per_s",
     "hit_rate",
     "wall_s",
+    "cpu_s",
 )
 
 
@@ -211,6 +217,31 @@ def aggregate(samples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def add_sequential_ratios(
+    rows: Sequence[dict[str, Any]],
+    samples: Sequence[Mapping[str, Any]],
+    sequential: Mapping[int, Mapping[str, Any]],
+) -> None:
+    """Set each row's ``rps_vs_sequential_off`` (median over repetitions of the run's
+    req/s over its repetition's sequential cache-off req/s) and ``cpu_vs_sequential_off``
+    (the same of the sequential run's process CPU seconds over the run's: above 1 the
+    run spent less CPU on the same trace). ``sequential``: per repetition, a sample with
+    ``throughput_rps`` and ``cpu_s``. None where a repetition has no sequential run."""
+    for row in rows:
+        cell = (row["rate_index"], row["mode"])
+        runs = [s for s in samples if (s["rate_index"], s["mode"]) == cell]
+        for key, ratio in (
+            ("rps_vs_sequential_off", lambda r, q: r["throughput_rps"] / q["throughput_rps"]),
+            ("cpu_vs_sequential_off", lambda r, q: q["cpu_s"] / r["cpu_s"]),
+        ):
+            values = [
+                ratio(r, q)
+                for r in runs
+                if (q := sequential.get(r["repeat"])) is not None and r["cpu_s"] > 0
+            ]
+            row[key] = statistics.median(values) if values else None
+
+
 def acceptance(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The done-when checks at the saturating (highest) rate: every cached mode's
     throughput above off's, and L1+L2 at least ``TARGET_RATIO`` x off's."""
@@ -242,6 +273,7 @@ LOAD_COLUMNS = (
     Column("throughput_rps", "req/s", "{:.3f}"),
     Column("rps_vs_off", "req/s vs off", _ratio),
     Column("rps_vs_sequential_off", "vs sequential off", _ratio),
+    Column("cpu_vs_sequential_off", "CPU vs sequential off", _ratio),
     Column("throughput_tps", "tokens/s", "{:.0f}"),
     Column("ttft_p50_s", "TTFT p50 ms", _ms),
     Column("ttft_p99_s", "TTFT p99 ms", _ms),
@@ -430,8 +462,21 @@ def run_load(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]
     # Warm-up (first-call costs), then the sequential cache-off reference.
     warm = Engine(model, None, max_new_tokens=args.max_new_tokens)
     warm.serve(list(plain[0].user_tokens))
-    reference, seq_wall, _ = serve_trace(Engine(model, None, args.max_new_tokens), plain)
-    service_rps = len(plain) / seq_wall
+
+    def sequential_run(rep: int) -> tuple[list[RequestResult], dict[str, Any]]:
+        cpu0 = time.process_time()
+        results, wall, _ = serve_trace(Engine(model, None, args.max_new_tokens), plain)
+        cpu = time.process_time() - cpu0
+        sample = {"repeat": rep, "throughput_rps": len(plain) / wall, "wall_s": wall}
+        return results, {**sample, "cpu_s": cpu}
+
+    reference, first = sequential_run(0)
+    seq_wall = first["wall_s"]
+    service_rps = first["throughput_rps"]
+    # One sequential cache-off run per repetition, next to that repetition's first (even
+    # repetitions, before) or last (odd, after) mode: "vs sequential off" compares runs
+    # of the same stretch of the shared machine's load, not with the run that started it.
+    sequential = {0: {**first, "outputs_match": True}}
     say(f"[service] sequential cache-off: {service_rps:.3f} requests/s ({seq_wall:.1f} s)")
     rates = parse_numbers(args.rates, "--rates") or choose_rates(
         service_rps, args.turns, parse_numbers(args.rate_factors, "--rate-factors")
@@ -442,21 +487,27 @@ def run_load(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]
     samples: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for rep in range(args.repeats):
+        if rep and rep % 2 == 0:
+            results, sequential[rep] = sequential_run(rep)
+            sequential[rep]["outputs_match"] = outputs_equal(results, reference)
         for ri, rate in enumerate(rates):
             for mode in mode_order(modes, rep):
                 root = _agreed_root(args.storage_root) if mode == "storage" else ""
                 try:
                     cache = _new_cache(args, topology, model, mode, root, pages, host_pages)
                     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens)
+                    cpu0 = time.process_time()
                     results, wall, _ = serve_trace(
                         engine, timed[ri], None, _scheduler_config(args, True)
                     )
+                    cpu = time.process_time() - cpu0
                 finally:
                     if topology.num_ranks > 1:
                         dist.barrier()
                     if root and leader:
                         shutil.rmtree(root, ignore_errors=True)
                 s = summarize(results, wall)
+                s["cpu_s"] = cpu
                 sample = {k: s[k] for k in METRICS}
                 sample.update(
                     repeat=rep,
@@ -471,15 +522,18 @@ def run_load(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]
                     f"req/s, TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms, wall {wall:.1f} s",
                     flush=True,
                 )
+        if rep % 2 == 1:
+            results, sequential[rep] = sequential_run(rep)
+            sequential[rep]["outputs_match"] = outputs_equal(results, reference)
     load_s = time.perf_counter() - t_start
     lengths = parse_numbers(args.hit_lengths, "--hit-lengths", int)
     hits = hit_ttft(args, topology, model, lengths) if lengths else []
     rows = aggregate(samples)
-    for row in rows:  # against the sequential reference (measured first, not interleaved)
-        row["rps_vs_sequential_off"] = row["throughput_rps"] / service_rps
+    add_sequential_ratios(rows, samples, sequential)
     results_out = {
         "service_rps": service_rps,
         "sequential_wall_s": seq_wall,
+        "sequential": [sequential[rep] for rep in sorted(sequential)],
         "rates": rates,
         "think_s": think,
         "device_pages": pages,

@@ -220,6 +220,30 @@ def test_aggregate_takes_medians_and_same_run_ratios() -> None:
     assert "| L1+L2 " in table and "3.00x" in table and "NO" in table
 
 
+def test_sequential_ratios_use_each_repetitions_own_run() -> None:
+    samples = [
+        _sample(0, 0, "off", 1.0, cpu_s=10.0),
+        _sample(1, 0, "off", 2.0, cpu_s=20.0),
+        _sample(2, 0, "off", 3.0, cpu_s=5.0),  # repetition 2 has no sequential run
+        _sample(0, 0, "host", 4.0, cpu_s=5.0),
+    ]
+    rows = bench_load.aggregate(samples)
+    sequential = {
+        0: {"throughput_rps": 2.0, "cpu_s": 8.0},
+        1: {"throughput_rps": 1.0, "cpu_s": 30.0},
+    }
+    bench_load.add_sequential_ratios(rows, samples, sequential)
+    off, host = rows
+    # Per repetition (0.5x, 2x), then the median; repetition 2 is left out.
+    assert off["rps_vs_sequential_off"] == pytest.approx(1.25)
+    assert off["cpu_vs_sequential_off"] == pytest.approx((0.8 + 1.5) / 2)
+    assert host["rps_vs_sequential_off"] == 2.0 and host["cpu_vs_sequential_off"] == 1.6
+    bench_load.add_sequential_ratios(rows, samples, {})
+    assert off["rps_vs_sequential_off"] is None and off["cpu_vs_sequential_off"] is None
+    table = bench_load.render_load_table(rows)
+    assert "CPU vs sequential off" in table
+
+
 def test_load_pages_fit_the_batch_not_the_working_set() -> None:
     args = bench_serving.build_parser().parse_args(["--device-pages", "8", "--host-pages", "4"])
     args.concurrency = 2
@@ -265,6 +289,9 @@ def test_smoke_load_run(single_rank_group, tmp_path, capsys) -> None:
     assert first == list(bench_load.LOAD_MODES) and second == first[::-1]
     seq_rate = res["service_rps"] / 2  # sessions per second, 2 turns a session
     assert res["rates"] == pytest.approx([0.5 * seq_rate, 50 * seq_rate])
+    # One sequential cache-off run per repetition (the first is the reference).
+    assert [q["repeat"] for q in res["sequential"]] == [0, 1]
+    assert all(q["outputs_match"] and q["cpu_s"] > 0 for q in res["sequential"])
     rows = res["rows"]
     assert [(r["rate_index"], r["mode"]) for r in rows] == [
         (i, m) for i in range(2) for m in bench_load.LOAD_MODES
@@ -272,6 +299,7 @@ def test_smoke_load_run(single_rank_group, tmp_path, capsys) -> None:
     for r in rows:
         assert r["outputs_match"] is True and r["repeats"] == 2
         assert r["throughput_rps"] > 0 and r["ttft_p99_s"] >= r["ttft_p50_s"] > 0
+        assert r["rps_vs_sequential_off"] > 0 and r["cpu_vs_sequential_off"] > 0
         if r["mode"] == "off":
             assert r["hit_rate"] == 0.0 and r["rps_vs_off"] == 1.0
         else:
