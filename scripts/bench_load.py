@@ -20,8 +20,8 @@ mode (off, L1, L1+L2, L1+L2+L3), each run on a fresh cache, in one process:
    sequentially cache-off once (the run of step 1 for the first; before its modes for
    even, after them for odd ones): ``vs sequential off`` is taken against that
    repetition's run, in req/s and in process CPU seconds (``CPU vs sequential off``:
-   sequential CPU / the run's; on a shared box wall-time ratios against one run measured
-   minutes earlier swung by 0.3x).
+   sequential CPU / the run's: on the shared box the same sequential run took 115 s and
+   52 s of wall time in one session, for 38 and 40 CPU seconds).
 3. **Hit TTFT**: a prompt of N + 1 tokens is served once (cold), then again: the second
    is a full-prefix L1 hit of N tokens. Reported per N (``--hit-lengths``, default 512,
    2048, 8192): the hit's TTFT (median of ``--hit-repeats``) next to the cold one.
