@@ -11,8 +11,10 @@ not a plain directory or regular file.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import stat
+from collections.abc import Callable
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -53,11 +55,14 @@ def refused(err: OSError, parent_fd: int, name: str, where: str) -> UnsafeEntry 
     return UnsafeEntry(kind, where)
 
 
-def open_child_dir(parent_fd: int, name: str, *, create: bool, where: str) -> int | None:
+def open_child_dir(
+    parent_fd: int, name: str, *, create: bool, where: str | Callable[[], str]
+) -> int | None:
     """Descriptor of directory ``name`` inside ``parent_fd``; None if absent and not ``create``.
 
     Raises ``UnsafeEntry`` when ``name`` is a symlink or not a directory, and
-    FileNotFoundError when the parent itself was removed meanwhile.
+    FileNotFoundError when the parent itself was removed meanwhile. ``where`` (the path
+    for messages, or a function building it: only errors need it).
     """
     for _ in range(3):
         try:
@@ -66,7 +71,7 @@ def open_child_dir(parent_fd: int, name: str, *, create: bool, where: str) -> in
             if not create:
                 return None
         except OSError as err:
-            bad = refused(err, parent_fd, name, where)
+            bad = refused(err, parent_fd, name, where if isinstance(where, str) else where())
             if bad is not None:
                 raise bad from None
             raise
@@ -74,7 +79,8 @@ def open_child_dir(parent_fd: int, name: str, *, create: bool, where: str) -> in
             os.mkdir(name, 0o777, dir_fd=parent_fd)
         except FileExistsError:
             pass  # another writer created it (or an entry we refuse on the next open)
-    raise FileNotFoundError(errno.ENOENT, "directory vanished while being created", where)
+    path = where if isinstance(where, str) else where()
+    raise FileNotFoundError(errno.ENOENT, "directory vanished while being created", path)
 
 
 class DirCache:
@@ -99,8 +105,12 @@ class DirCache:
             if cached is not None:
                 fd = cached
                 continue
-            where = os.path.join(self._root_name, *prefix)
-            child = open_child_dir(fd, prefix[-1], create=create, where=where)
+            child = open_child_dir(
+                fd,
+                prefix[-1],
+                create=create,
+                where=functools.partial(os.path.join, self._root_name, *prefix),
+            )
             if child is None:
                 return None
             self._fds[prefix] = child
