@@ -53,7 +53,7 @@ from mesh_hicache.pools.host import HostPools
 from mesh_hicache.spec import Family
 from mesh_hicache.transfer.indices import IndexPair, check_indices
 from mesh_hicache.transfer.segments import IndexArray, SegmentTable, build_segments
-from mesh_hicache.transfer.waker import make_waker
+from mesh_hicache.transfer.waker import CondWaker, TimerWaker, make_waker
 
 
 class TransferKind(str, enum.Enum):
@@ -256,7 +256,7 @@ class TransferEngine(abc.ABC):
             target=self._loop, name=f"transfer-{self.kind}", daemon=True
         )
         self._worker_started = False
-        self._waker = make_waker(self._lock)
+        self._waker: TimerWaker | CondWaker | None = None  # made with the worker
 
     # -- public API -------------------------------------------------------------------------
 
@@ -285,11 +285,12 @@ class TransferEngine(abc.ABC):
             if self._closed:
                 return
             self._closed = True
-            if self._worker_started:
+            if self._waker is not None:
                 self._waker.wake(0.0)
         if self._worker_started:
             self._worker.join()
-        self._waker.close()
+        if self._waker is not None:
+            self._waker.close()
 
     @property
     def closed(self) -> bool:
@@ -363,8 +364,10 @@ class TransferEngine(abc.ABC):
     def _wake_worker(self, grace: float = 0.0) -> None:
         """Start the worker, wake it in ``grace`` seconds (caller holds ``_lock``)."""
         if not self._worker_started:
+            self._waker = make_waker(self._lock)  # no descriptors for an idle engine
             self._worker.start()
             self._worker_started = True
+        assert self._waker is not None
         self._waker.wake(grace)
 
     @staticmethod
@@ -387,6 +390,7 @@ class TransferEngine(abc.ABC):
 
     def _loop(self) -> None:
         waker = self._waker
+        assert waker is not None
         while True:
             # Sleep while there is nothing to do or a waiter is copying: the waiter wakes
             # us when it leaves work behind (no lock hand-off per operation).

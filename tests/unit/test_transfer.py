@@ -819,13 +819,22 @@ def test_deferred_wake_a_waiter_copies_and_an_unwaited_backup_still_runs(monkeyp
     from mesh_hicache.transfer import engine as engine_module
     from mesh_hicache.transfer.waker import CondWaker, TimerWaker
 
+    kind = CondWaker if waker == "condition" else TimerWaker
     if waker == "condition":
         monkeypatch.setattr(engine_module, "make_waker", CondWaker)
     elif TimerWaker.create() is None:
         pytest.skip("no timerfd/eventfd on this platform")
+    wakes = []  # the worker's returns from sleep
+    sleep = kind.sleep
+
+    def counted(self) -> None:
+        sleep(self)
+        wakes.append(1)
+
+    monkeypatch.setattr(kind, "sleep", counted)
     gen = torch.Generator().manual_seed(5)
     dev, host, eng = make()
-    assert isinstance(eng._waker, CondWaker if waker == "condition" else TimerWaker)
+    assert eng._waker is None  # no descriptors before the worker starts
     randomize(dev, gen)
     before = snapshot(dev)
     threads: list[str] = []
@@ -836,19 +845,17 @@ def test_deferred_wake_a_waiter_copies_and_an_unwaited_backup_still_runs(monkeyp
         original(op, position)
 
     eng._layer_ready = observe  # type: ignore[method-assign]
-    wakes = []  # the worker's returns from sleep
-    sleep = eng._waker.sleep
-
-    def counted() -> None:
-        sleep()
-        wakes.append(1)
-
-    eng._waker.sleep = counted  # type: ignore[method-assign]
-    # A long grace: the waiter claims the backup long before the worker would wake.
+    # A long grace: the waiter claims each backup long before the worker would wake.
     monkeypatch.setattr(eng, "wake_grace", 30.0)
+    assert eng.backup(([0], [5])).wait(timeout=30)  # starts the worker (either may copy)
+    assert isinstance(eng._waker, kind)
+    time.sleep(0.05)
+    threads.clear()
+    wakes.clear()
+    batches = eng.num_batches
     first = eng.backup(([2, 5], [9, 0]))
     assert first.wait(timeout=30)
-    assert threads == [threading.current_thread().name] and eng.num_batches == 0
+    assert threads == [threading.current_thread().name] and eng.num_batches == batches
     if waker == "timer":
         time.sleep(0.05)
         assert not wakes  # the worker never woke for it
