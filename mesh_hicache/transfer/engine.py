@@ -323,8 +323,8 @@ class TransferEngine(abc.ABC):
         self, kind: TransferKind, kv_pages: IndexPair, mamba_slots: IndexPair
     ) -> TransferHandle:
         dev, host = self.device_pools, self.host_pools
-        pd, ph, pa = self._indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
-        sd, sh, sa = self._indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
+        pd, ph, pa = check_indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
+        sd, sh, sa = check_indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
         inline = (
             kind is TransferKind.LOAD
             and self.inline_bytes > 0
@@ -369,12 +369,6 @@ class TransferEngine(abc.ABC):
             self._worker_started = True
         assert self._waker is not None
         self._waker.wake(grace)
-
-    @staticmethod
-    def _indices(
-        what: str, pair: IndexPair, dev_count: int, host_count: int
-    ) -> tuple[IndexArray, IndexArray, int]:
-        return check_indices(what, pair, dev_count, host_count)
 
     def _check_fault(self, op: _Op, position: int) -> None:
         layer = self.layer_ids[position]
