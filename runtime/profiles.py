@@ -412,8 +412,8 @@ def _mamba2_blocks(cfg: Mapping[str, Any], model_type: str) -> str:
             return "".join(blocks)
         return "".join(b + ffn for b in blocks)  # a mixer and its feed-forward per layer
     n = int(_need(cfg, "num_hidden_layers", "n_layer", "num_layers"))
-    if cfg.get("attn_layer_indices") is not None:
-        attn = set(cfg["attn_layer_indices"])
+    if cfg.get("attn_layer_indices") is not None or model_type == "bamba":
+        attn = set(cfg.get("attn_layer_indices") or ())  # Bamba: none listed, none
     elif cfg.get("attn_layer_period"):
         period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
         attn = {i for i in range(n) if i % period == offset}

@@ -211,8 +211,8 @@ def _defaults(cls_name: str, arch: str, **overrides):
 
 
 def test_real_sizes_equal_the_runtime_cache():
-    """Qwen3-Next-80B-A3B and DeepSeek-V3.2 at their published sizes (transformers'
-    defaults): the runtime's adapter and cache spec (no weights) against the profile."""
+    """Qwen3-Next-80B-A3B, DeepSeek-V3.2 and the Mamba-2 hybrids at transformers'
+    default sizes: the runtime's adapter and cache spec (no weights) against the profile."""
     import torch
 
     from runtime.checkpoints.loader import ADAPTERS
@@ -220,6 +220,9 @@ def test_real_sizes_equal_the_runtime_cache():
     for cls_name, arch in (
         ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
         ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+        ("NemotronHConfig", "NemotronHForCausalLM"),
+        ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+        ("BambaConfig", "BambaForCausalLM"),
     ):
         cfg = _defaults(cls_name, arch)
         prof = from_hf_config(cfg)
