@@ -80,7 +80,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("trace", help="JSONL trace (scripts/make_trace.py writes one)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--profile", default=None, help="built-in model profile (hybrid-7b)")
-    model.add_argument("--model-config", default=None, help="a Hugging Face config.json")
+    model.add_argument(
+        "--model-config",
+        default=None,
+        help="a Hugging Face config.json: Mamba-2 hybrids (nemotron_h, granitemoehybrid, "
+        "bamba), Gated DeltaNet (qwen3_next, qwen3_5*), MLA (deepseek_v3, deepseek_v32)",
+    )
     p.add_argument("--device-bytes", type=parse_bytes, required=True, help="L1 budget")
     p.add_argument("--host-bytes", type=parse_bytes, default=0, help="L2 budget (0: L1 only)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
