@@ -38,6 +38,9 @@ import sysconfig
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+_T = TypeVar("_T")
 
 _SOURCE = r"""
 #include <stddef.h>
@@ -155,11 +158,30 @@ PyMODINIT_FUNC PyInit_mh_pack(void) { return PyModule_Create(&module); }
 """
 
 
-_lock = threading.Lock()
-_dll: ctypes.CDLL | None = None
-_tried = False
-_pack: Callable[[object], bytes | None] | None = None
-_pack_tried = False
+class BuildOnce(Generic[_T]):
+    """``build()`` run once per process, on the first ``get`` (thread-safe): its result,
+    or None when it returned None or raised (the caller then takes its Python path). The
+    project's C helpers are each one of these."""
+
+    __slots__ = ("_build", "_lock", "_tried", "_value")
+
+    def __init__(self, build: Callable[[], _T | None]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._tried = False
+        self._value: _T | None = None
+
+    def get(self) -> _T | None:
+        if self._tried:
+            return self._value
+        with self._lock:
+            if not self._tried:
+                try:
+                    self._value = self._build()
+                except Exception:  # any failure: the Python path serves (identical results)
+                    self._value = None
+                self._tried = True
+        return self._value
 
 
 def _cache_dir() -> str:
@@ -225,21 +247,12 @@ def _build() -> ctypes.CDLL | None:
     return dll
 
 
-def _load() -> ctypes.CDLL | None:
-    global _dll, _tried
-    with _lock:
-        if not _tried:
-            try:
-                _dll = _build()
-            except Exception:  # any failure: the Python loops serve (identical results)
-                _dll = None
-            _tried = True
-    return _dll
+_lib: BuildOnce[ctypes.CDLL] = BuildOnce(_build)
 
 
 def available() -> bool:
     """Whether the native loops are in use (builds them on the first call)."""
-    return (_dll if _tried else _load()) is not None
+    return _lib.get() is not None
 
 
 def chain(
@@ -249,7 +262,7 @@ def chain(
     page ``i`` is ``sha256(prefix + previous + page)`` (``prefix``: 64 bytes, the first
     previous is ``parent``: 32 bytes). None when the native loop is unavailable. The
     caller checks the bounds (``offset + pages * step <= len(data)``)."""
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     if dll is None:
         return None
     assert len(prefix) == 64 and len(parent) == 32 and offset + pages * step <= len(data)
@@ -265,7 +278,7 @@ def row_copier() -> Callable[[int, int, int, int], None] | None:
     counts are the int64 arrays at addresses ``dst``, ``src`` and ``size`` (one native
     call, GIL released), or None when unavailable. Raw memory: the caller guarantees
     every address range is valid and the two sides never overlap."""
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     return None if dll is None else dll.mh_copy_rows
 
 
@@ -277,7 +290,7 @@ def segment_copier() -> Callable[..., None] | None:
     native call with the GIL released; runs consecutive on both sides are one copy where
     the segment's rows are contiguous on both sides. None when unavailable. Raw memory:
     the caller checked every index."""
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     return None if dll is None else dll.mh_copy_segments
 
 
@@ -300,18 +313,12 @@ def _build_pack() -> Callable[[object], bytes | None] | None:
     return fn
 
 
+_pack: BuildOnce[Callable[[object], bytes | None]] = BuildOnce(_build_pack)
+
+
 def packer() -> Callable[[object], bytes | None] | None:
     """``pack(tokens)``: the little-endian int64 bytes of a list or tuple of exact ints in
     ``[0, 2**63)`` in one C loop, or None for anything else (the caller's Python path then
     validates and names the bad value); None when the extension cannot be built (it also
     needs Python's headers)."""
-    global _pack, _pack_tried
-    if not _pack_tried:
-        with _lock:
-            if not _pack_tried:
-                try:
-                    _pack = _build_pack()
-                except Exception:  # any failure: the Python path serves
-                    _pack = None
-                _pack_tried = True
-    return _pack
+    return _pack.get()

@@ -23,10 +23,11 @@ import functools
 import hashlib
 import struct
 import sys
-import threading
 import zlib
 
 import numpy as np
+
+from mesh_hicache.native import BuildOnce, compile_once
 
 _SOURCE = r"""
 #include <stddef.h>
@@ -133,14 +134,8 @@ long mh_check_chunks(const unsigned char *p, size_t n, size_t chunk, size_t k0, 
 uint32_t mh_crc(const unsigned char *p, size_t n) { return crc_chunk(p, n); }
 """
 
-_lock = threading.Lock()
-_dll: ctypes.CDLL | None = None
-_tried = False
-
 
 def _build() -> ctypes.CDLL | None:
-    from mesh_hicache.native import compile_once  # the shared per-user build folder
-
     if sys.byteorder != "little":
         return None
     lib = compile_once("chunkcrc", _SOURCE, (["-lz"], ["-l:libz.so.1"]))
@@ -159,21 +154,12 @@ def _build() -> ctypes.CDLL | None:
     return dll
 
 
-def _load() -> ctypes.CDLL | None:
-    global _dll, _tried
-    with _lock:
-        if not _tried:
-            try:
-                _dll = _build()
-            except Exception:  # any failure: the Python loop serves (identical results)
-                _dll = None
-            _tried = True
-    return _dll
+_lib: BuildOnce[ctypes.CDLL] = BuildOnce(_build)  # any failure: the Python loop serves
 
 
 def available() -> bool:
     """Whether the native loop is in use (builds it on the first call)."""
-    return (_dll if _tried else _load()) is not None
+    return _lib.get() is not None
 
 
 @functools.lru_cache(maxsize=64)
@@ -200,7 +186,7 @@ def chunk_crcs(payload: memoryview, chunk: int) -> tuple[bytes, int] | None:
     """``(tags, whole)``: the little-endian CRC32 of every ``chunk``-byte chunk of
     ``payload`` (a contiguous byte view) and the CRC32 of all of it, in one pass; None when
     the native loop is unavailable (or the payload is empty)."""
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     if dll is None or not payload.nbytes:
         return None
     n = payload.nbytes
@@ -212,7 +198,7 @@ def chunk_crcs(payload: memoryview, chunk: int) -> tuple[bytes, int] | None:
 def crc32(payload: memoryview) -> int:
     """``zlib.crc32(payload)``, by the fold loop for payloads over 4 KiB where the
     native loop serves (about 3x zlib's speed here)."""
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     if dll is None or payload.nbytes <= 4096:
         return zlib.crc32(payload)
     return int(dll.mh_crc(_address(payload), payload.nbytes))
@@ -222,7 +208,7 @@ def first_bad_chunk(payload: memoryview, chunk: int, k0: int, k1: int, tags: byt
     """Check chunks ``[k0, k1)`` of ``payload`` (a byte view of the whole payload)
     against ``tags`` (packed little-endian CRC32s): the first chunk that differs, -1 if all
     match, None when the native loop is unavailable."""
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     if dll is None or not payload.nbytes:
         return None
     assert 0 <= k0 <= k1 and 4 * k1 <= len(tags)

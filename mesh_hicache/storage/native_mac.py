@@ -25,9 +25,10 @@ from __future__ import annotations
 import ctypes
 import struct
 import sys
-import threading
 
 import numpy as np
+
+from mesh_hicache.native import BuildOnce, compile_once
 
 _C = (0x736F6D6570736575, 0x646F72616E646F6D, 0x6C7967656E657261, 0x7465646279746573)
 
@@ -123,14 +124,8 @@ SPEC_VECTORS = (
     0x3F2ACC7F57C29BDB,
 )
 
-_lock = threading.Lock()
-_dll: ctypes.CDLL | None = None
-_tried = False
-
 
 def _build() -> ctypes.CDLL | None:
-    from mesh_hicache.native import compile_once  # the shared per-user build folder
-
     if sys.byteorder != "little":
         return None
     lib = compile_once("chunksip", _SOURCE, ([],))
@@ -152,21 +147,12 @@ def _build() -> ctypes.CDLL | None:
     return dll
 
 
-def _load() -> ctypes.CDLL | None:
-    global _dll, _tried
-    with _lock:
-        if not _tried:
-            try:
-                _dll = _build()
-            except Exception:  # any failure: the numpy loop serves (identical tags)
-                _dll = None
-            _tried = True
-    return _dll
+_lib: BuildOnce[ctypes.CDLL] = BuildOnce(_build)  # any failure: the numpy loop serves
 
 
 def available() -> bool:
     """Whether the native loop is in use (builds it on the first call)."""
-    return (_dll if _tried else _load()) is not None
+    return _lib.get() is not None
 
 
 def _address(view: memoryview) -> int:
@@ -189,7 +175,7 @@ def chunk_tags(key: bytes, payload: memoryview, chunk: int) -> bytes:
     n = payload.nbytes
     if not n:
         return b""
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     if dll is None:
         return _numpy_tags(key, payload, chunk)
     tags = ctypes.create_string_buffer(8 * -(-n // chunk))
@@ -207,7 +193,7 @@ def first_bad_chunk(
     assert 0 <= c0 <= c1 and 8 * c1 <= len(tags)
     if c0 == c1:
         return -1
-    dll = _dll if _tried else _load()
+    dll = _lib.get()
     if dll is not None:
         return int(dll.mh_sip_check(key, _address(payload), payload.nbytes, chunk, c0, c1, tags))
     lo, hi = c0 * chunk, min(c1 * chunk, payload.nbytes)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mesh_hicache.layout import GlobalSlice
+from mesh_hicache.native import BuildOnce
 from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey, native_crc, native_mac
 from mesh_hicache.storage.keys import HEADER_SIZE
 from mesh_hicache.storage.objects import ObjectCodec, chunk_bytes_for, chunk_spans, table_size
@@ -23,8 +24,7 @@ SECRET = b"s" * 32
 @pytest.fixture
 def python_only(monkeypatch):
     """The native loop switched off: objects.py's Python loop serves."""
-    monkeypatch.setattr(native_crc, "_dll", None)
-    monkeypatch.setattr(native_crc, "_tried", True)
+    monkeypatch.setattr(native_crc, "_lib", BuildOnce(lambda: None))
 
 
 def _python_tags(data: bytes, chunk: int) -> bytes:
@@ -64,8 +64,7 @@ def test_encode_chunked_is_the_same_bytes_with_and_without_the_native_loop(secre
     cases = [(rng.randbytes(n), c) for n, c in [(300, 64), (65536, 256), (100_000, 512)]]
     fast = [codec.encode_chunked("k", memoryview(d), c) for d, c in cases]
     for module in (native_crc, native_mac):  # the numpy / zlib loops serve
-        monkeypatch.setattr(module, "_dll", None)
-        monkeypatch.setattr(module, "_tried", True)
+        monkeypatch.setattr(module, "_lib", BuildOnce(lambda: None))
     slow = [codec.encode_chunked("k", memoryview(d), c) for d, c in cases]
     assert fast == slow
     for (data, chunk), (header, table) in zip(cases, slow, strict=True):
@@ -146,7 +145,7 @@ def test_ranged_read_skips_gaps_of_a_page_or_more(tmp_path):
     store.close()
 
 
-def test_files_written_without_the_native_loop_are_identical(tmp_path, python_only):
+def test_files_written_without_the_native_loop_are_identical(tmp_path, python_only, monkeypatch):
     shape = (2, 2, 16, 2, 128)
     sl = GlobalSlice((0, 2), (0, 2), (0, 16))
     src = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
@@ -157,7 +156,7 @@ def test_files_written_without_the_native_loop_are_identical(tmp_path, python_on
     assert slow.get_ranges([_key(3, sl)], [dst], [_heads(shape, (0, 1), 2)]) == [True]
     assert torch.equal(dst[..., 0:1, :], src[..., 0:1, :])
     slow.close()
-    native_crc._tried = False  # build (or find) the loop again for the fast writer
+    monkeypatch.setattr(native_crc, "_lib", BuildOnce(native_crc._build))  # the loop again
     fast = FileStorage(tmp_path / "fast")
     assert fast.put_one(_key(3, sl), src)
     assert fast.object_path(_key(3, sl)).read_bytes() == slow_bytes

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mesh_hicache.layout import GlobalSlice
+from mesh_hicache.native import BuildOnce
 from mesh_hicache.storage import FileStorage, KeyNamespace, StorageKey, native_mac
 from mesh_hicache.storage.keys import HEADER_SIZE, ObjectCodec, key_digest, tensor_bytes
 from mesh_hicache.storage.objects import (
@@ -53,8 +54,7 @@ def loop(request, monkeypatch):
         if not native_mac.available():
             pytest.skip("no C compiler: the native SipHash loop is not built")
     else:
-        monkeypatch.setattr(native_mac, "_dll", None)
-        monkeypatch.setattr(native_mac, "_tried", True)
+        monkeypatch.setattr(native_mac, "_lib", BuildOnce(lambda: None))
     return request.param
 
 
@@ -75,8 +75,7 @@ def test_chunk_tags_are_each_chunks_siphash_and_the_loops_agree(monkeypatch):
             native_mac.siphash24(SPEC_KEY, data[i : i + chunk]) for i in range(0, len(data), chunk)
         ]
         assert tags == struct.pack(f"<{len(want)}Q", *want)
-    monkeypatch.setattr(native_mac, "_dll", None)
-    monkeypatch.setattr(native_mac, "_tried", True)
+    monkeypatch.setattr(native_mac, "_lib", BuildOnce(lambda: None))
     assert [native_mac.chunk_tags(SPEC_KEY, memoryview(d), c) for d, c in cases] == got
 
 
