@@ -60,8 +60,9 @@ from mesh_hicache.cache import HiCache
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
 from runtime.model import HybridModel
-from runtime.serve import build_model, cache_config, serve_trace, summarize, workload
-from runtime.serve import build_parser as serve_parser
+from runtime.serve import build_model, serve_trace, summarize, workload
+from runtime.serve_flags import build_parser as serve_parser
+from runtime.serve_flags import cache_config
 from runtime.workloads import Turn, with_arrivals
 
 LOAD_MODES = ("off", "device", "host", "storage")

@@ -102,7 +102,8 @@ def _rank_serve(mesh: Any, argv: list[str]) -> dict[str, Any]:
     from mesh_hicache.testing import internals
     from mesh_hicache.topology import MeshTopology
     from runtime.engine import Engine
-    from runtime.serve import build_model, build_parser, cache_config, workload
+    from runtime.serve import build_model, workload
+    from runtime.serve_flags import build_parser, cache_config
 
     topology = MeshTopology.from_mesh(mesh)
     args = build_parser().parse_args(argv)

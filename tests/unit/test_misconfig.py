@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from mesh_hicache.storage.file import FileStorage
-from runtime import serve, startup_checks
+from runtime import serve, serve_flags, startup_checks
 from runtime.startup_checks import fit_warnings
 from runtime.workloads import Turn
 
@@ -143,7 +143,7 @@ def test_default_l3_root_is_per_user(tmp_path):
     assert root == str(tmp_path / "mesh_hicache" / "l3")
     home = startup_checks.default_storage_root({})
     assert home == os.path.join(os.path.expanduser("~"), ".cache", "mesh_hicache", "l3")
-    assert serve.DEFAULT_STORAGE_ROOT == startup_checks.default_storage_root()
+    assert serve_flags.DEFAULT_STORAGE_ROOT == startup_checks.default_storage_root()
 
 
 def test_summary_says_how_warm_l3_was(tmp_path, capsys, single_rank_group):
