@@ -23,7 +23,7 @@ Each :meth:`Scheduler.run` loop iteration is one *step*, the same on every rank:
 
 Every decision derives from the trace, agreed cache results (match hits, allocations,
 ``finish_load``) and the agreed values of step 1, so the mesh stays in lockstep. The
-per-request logic is ``runtime.engine.RequestRun``, the same as the sequential engine's.
+per-request logic is ``runtime.request_run.RequestRun``, the same as the sequential engine's.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ import torch.distributed as dist
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.choices import PrefetchPolicy
-from runtime.engine import Engine, RequestResult, RequestRun
+from runtime.engine import Engine
 from runtime.model import HybridModel
+from runtime.request_run import RequestResult, RequestRun
 from runtime.workloads import Turn
 
 

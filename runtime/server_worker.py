@@ -33,7 +33,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from runtime.engine import Engine, RequestResult, TokenHook
+from runtime.engine import Engine
+from runtime.request_run import RequestResult, TokenHook
 from runtime.startup_checks import pages_needed, too_long_for_l1
 
 log = logging.getLogger("runtime.server")

@@ -1,5 +1,5 @@
 """Shared helpers of the HiCache tests (a helper module, not collected): a small hybrid
-spec, recognizable page/state contents, a request driver shaped like ``runtime/engine.py``,
+spec, recognizable page/state contents, a request driver shaped like ``runtime/request_run.py``,
 file counting. Internals are reached through ``mesh_hicache.testing.internals`` only.
 
 Contents are a pure function of (page hash, layer, this rank's global slice), so any
