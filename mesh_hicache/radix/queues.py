@@ -27,7 +27,7 @@ adds and drops candidates and never re-keys a queued one.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,20 @@ def is_candidate(node: TreeNode, target: EvictTarget) -> bool:
 _RUN = 256
 
 
+def _front_first(run: list[Entry], entry: Entry) -> int:
+    """``bisect_left(run, entry)`` that first looks at the run's first 1, 2, 4, 8 entries:
+    an entry near the front (where eviction works) is found without the bisect's reads
+    across the whole run, which miss the CPU cache in a large tree; elsewhere it costs at
+    most four more comparisons."""
+    n = len(run)
+    k = 1
+    while k <= 8 and k < n and run[k - 1] < entry:
+        k <<= 1
+    if k <= 8 or k >= n:  # stopped on a bound: the place is in [k // 2, k]
+        return bisect_left(run, entry, k >> 1, min(k, n))
+    return bisect_left(run, entry, k >> 1, n)
+
+
 class _SortedEntries:
     """Entries in ascending order, as sorted runs (``runs``) with their last entries
     (``maxes``): bisect to the run, bisect inside it."""
@@ -94,6 +108,17 @@ class _SortedEntries:
         self.maxes: list[Entry] = []
         self.size = 0
 
+    def _run_of(self, entry: Entry) -> int:
+        """Index of the run ``entry`` belongs in (``len(maxes)`` past the last one): the
+        first and last runs are checked before a bisect, since eviction adds and removes
+        near the front (a parent queued after its child) and touches re-add at the back."""
+        maxes = self.maxes
+        if entry <= maxes[0]:
+            return 0
+        if entry > maxes[-1]:
+            return len(maxes)
+        return bisect_left(maxes, entry)
+
     def add(self, entry: Entry) -> None:
         runs, maxes = self.runs, self.maxes
         self.size += 1
@@ -101,7 +126,7 @@ class _SortedEntries:
             runs.append([entry])
             maxes.append(entry)
             return
-        i = bisect_left(maxes, entry)
+        i = self._run_of(entry)
         if i == len(maxes):
             i -= 1
             run = runs[i]
@@ -109,7 +134,7 @@ class _SortedEntries:
             maxes[i] = entry
         else:
             run = runs[i]
-            insort(run, entry)
+            run.insert(_front_first(run, entry), entry)
         if len(run) > 2 * _RUN:
             runs.insert(i + 1, run[_RUN:])
             del run[_RUN:]
@@ -118,9 +143,9 @@ class _SortedEntries:
 
     def remove(self, entry: Entry) -> None:
         maxes = self.maxes
-        i = bisect_left(maxes, entry)
+        i = self._run_of(entry)
         run = self.runs[i]
-        j = bisect_left(run, entry)
+        j = _front_first(run, entry)
         assert run[j] is entry, "queue entry missing"
         del run[j]
         self.size -= 1
