@@ -381,7 +381,12 @@ class TreeCore:
                 node.mamba_host_slot = None
                 self.num_mamba_host_slots -= 1
                 freed.mamba_host.append(slot)
-            del parent.children[node.data[:pb]]
+            children = parent.children
+            if len(children) == 1:  # the only child: no key to cut, hash and compare
+                assert next(iter(children.values())) is node
+                children.clear()
+            else:
+                del children[node.data[:pb]]
             node.alive = False
             self._queues.remove(node)
             self.num_nodes -= 1

@@ -83,20 +83,6 @@ def is_candidate(node: TreeNode, target: EvictTarget) -> bool:
 _RUN = 256
 
 
-def _front_first(run: list[Entry], entry: Entry) -> int:
-    """``bisect_left(run, entry)`` that first looks at the run's first 1, 2, 4, 8 entries:
-    an entry near the front (where eviction works) is found without the bisect's reads
-    across the whole run, which miss the CPU cache in a large tree; elsewhere it costs at
-    most four more comparisons."""
-    n = len(run)
-    k = 1
-    while k <= 8 and k < n and run[k - 1] < entry:
-        k <<= 1
-    if k <= 8 or k >= n:  # stopped on a bound: the place is in [k // 2, k]
-        return bisect_left(run, entry, k >> 1, min(k, n))
-    return bisect_left(run, entry, k >> 1, n)
-
-
 class _SortedEntries:
     """Entries in ascending order, as sorted runs (``runs``) with their last entries
     (``maxes``): bisect to the run, bisect inside it."""
@@ -111,7 +97,8 @@ class _SortedEntries:
     def _run_of(self, entry: Entry) -> int:
         """Index of the run ``entry`` belongs in (``len(maxes)`` past the last one): the
         first and last runs are checked before a bisect, since eviction adds and removes
-        near the front (a parent queued after its child) and touches re-add at the back."""
+        near the front (a parent queued after its child) and touches re-add at the back
+        (the bisect's reads across a large queue miss the CPU cache)."""
         maxes = self.maxes
         if entry <= maxes[0]:
             return 0
@@ -134,7 +121,7 @@ class _SortedEntries:
             maxes[i] = entry
         else:
             run = runs[i]
-            run.insert(_front_first(run, entry), entry)
+            run.insert(bisect_left(run, entry), entry)
         if len(run) > 2 * _RUN:
             runs.insert(i + 1, run[_RUN:])
             del run[_RUN:]
@@ -145,7 +132,7 @@ class _SortedEntries:
         maxes = self.maxes
         i = self._run_of(entry)
         run = self.runs[i]
-        j = _front_first(run, entry)
+        j = bisect_left(run, entry)
         assert run[j] is entry, "queue entry missing"
         del run[j]
         self.size -= 1
@@ -199,6 +186,10 @@ class EvictionQueues:
         # update, without a NodeStats (the same entries the generic path would build), and
         # a queued node is not re-keyed by an update (``_update_lru``).
         self._lru = type(policy).priority is LRUPolicy.priority and not self._aging
+        # ``pop`` for plain LRU (no path stats, no select, no on_evict): ``_pop_lru``.
+        self._fast_pop = (
+            self._lru and not self._path and not self._select and self._on_evict is None
+        )
         self._seen = 0
         # Per tier (0 device, 1 host): GreedyDual clock steps (from logical time, value).
         self._steps: tuple[tuple[list[int], list[float]], ...] = (([0], [0.0]), ([0], [0.0]))
@@ -341,6 +332,8 @@ class EvictionQueues:
         creation id); None when there is none. An ``aging`` policy's tier clock takes the
         victim's priority; a policy with ``select`` picks among all candidates."""
         q = TARGETS.index(target)
+        if self._fast_pop:
+            return self._pop_lru(q)
         queue = self._queues[q]
         if self._select and queue.size > 1:
             entries = list(queue)
@@ -364,6 +357,33 @@ class EvictionQueues:
         if self._on_evict is not None:
             self._on_evict(node, target, self.stats(node, target), self._now())
         return node
+
+    def _pop_lru(self, q: int) -> TreeNode | None:
+        """``pop`` under plain LRU, written out: the first entry is re-keyed (moved back)
+        until its stored ``last_access`` is the node's current one, then taken."""
+        queue = self._queues[q]
+        runs = queue.runs
+        while runs:
+            run = runs[0]
+            first = run[0]
+            node: TreeNode = first[-1]
+            last = node.last_access
+            if last != first[0]:  # touched since it was keyed: a later place
+                queue.pop_first()
+                current = (last, node.id, node)
+                queue.add(current)
+                node.queue_entry[q] = current
+                continue
+            del run[0]
+            queue.size -= 1
+            if not run:
+                del runs[0]
+                del queue.maxes[0]
+            node.queue_entry[q] = None
+            if last > self._seen:
+                self._seen = last
+            return node
+        return None
 
     def head(self, target: EvictTarget) -> Entry | None:
         """The exact first entry of the ``target`` queue (lazily re-keyed entries moved to
