@@ -2,23 +2,34 @@
 
 Workload (multi-turn chat): sessions start from one of a few shared system prompts
 (``--system-tokens``, 1,000 by default); each turn adds a user message (250 tokens) and
-the model's reply (130 tokens), so prompts are not page aligned. Sessions run
-round-robin (``--active`` at a time, ``--turns`` turns each, then a new session starts).
+the model's reply (130 tokens), so prompts are not page aligned. ``--active`` sessions
+are in flight; each request is a turn of one of them picked at random (``--turns`` turns
+each, then a new session starts).
 ``--active`` and ``--systems`` are counts per 10,000 pages of the pool (64 and 16 at 10k,
 6 and 2 at 1k, 640 and 160 at 100k): every size holds the same shape of tree (nodes of one
 turn under shared system prompts), so its eviction calls free the same pages in the same
 number of victims and per-call times compare like with like. ``--fixed-workload`` uses the
 two counts as given at every size instead (the workload of earlier results: a 1k-page pool
-then holds 6 nodes, and its calls remove fewer, larger victims).
+then holds 6 nodes, and its calls remove fewer, larger victims). A 1k pool still holds
+only 6 sessions: at page size 16 its calls remove fewer victims than 10k/100k ones (1.63
+vs 1.77-1.80 mean, p99 8 vs 9: an active session's history is evicted less often among 6
+random picks than among 640), so flatness is also reported at equal work (below).
 
 Per request, exactly what ``HiCache`` issues, timed from the caller's token list (a
 fresh list of fresh ints per request and tree, as a tokenizer returns them):
 
 - **match**: build the key from the request's tokens, then ``match_prefix``;
 - **insert**: build the key from prompt + reply truncated to whole pages, then ``insert``
-  with one device page per page (and a Mamba slot at the end with ``--mamba``);
+  with the matched prefix's device pages followed by new pages (and a Mamba slot at the
+  end with ``--mamba``); the matched prefix is locked from the match to the insert, and
+  pages are allocated only for the tokens after it (``alloc_pages(req, n_new)``);
 - **evict**: each ``evict_device`` / ``evict_mamba_device`` call the device pools need
   (a pool of ``--pages`` pages: the tree is held at that size), timed per call.
+
+Before session 14 the bench allocated a page for every token of the request and left the
+prefix unlocked (``--alloc-full``): not what HiCache does, and the per-request transient
+it held (up to 250 pages at page size 16) was a quarter of a 1k pool, so the 1k tree had
+larger nodes (41.5 pages per node vs 30) and fewer victims per call than the larger ones.
 
 Both trees (OLD: the radix package at ``--old-rev``, extracted from git into a temp dir at
 run time; NEW: this checkout) see the same requests, alternating A/B in blocks of
@@ -26,7 +37,11 @@ run time; NEW: this checkout) see the same requests, alternating A/B in blocks o
 both alike while one tree's memory traffic does not evict the other's working set at
 every operation (``--block 1`` alternates op by op). The
 process is pinned to one CPU, ops are timed in thread CPU time by default (``--clock``), and
-the trees are filled to their size before timing starts; then the filled state is frozen
+the trees are filled to their size, then warmed up until evictions have freed
+``--warmup-turnover`` times the pool (1 by default: a 100k-page tree needs ~5,000 requests
+at page size 16, ~17,000 at 64), so every size is timed in its steady state (before
+session 14 the 100k tree was timed 200 requests after its first eviction, while it was
+still evicting the fill's nodes: 2.76 victims per call vs 2.50 at 10k); then the state is frozen
 (``gc.freeze()``) and the collector runs between requests, never inside a timed op (an
 allocation by one tree must not bill a collection to the other).
 
@@ -37,7 +52,11 @@ whether two sizes did the same work per call.
 Flatness (``--flat-requests``, NEW only): one tree per size of ``--pages``, each filled
 with its own (scaled) workload, then driven in blocks of ``--block`` requests that rotate
 over the sizes, so load on the machine hits every size alike; eviction per call (mean,
-p50, p99) per size and the p99 ratio of each size to the smallest.
+p50, p99) per size and the p99 ratio of each size to the smallest; per victims-per-call
+count (``evict_by_victims``); and at equal work (``evict_equal_work``: every call kept,
+each weighted so that the size's mix of victims per call is the smallest tree's; victim
+counts only one size has are left out): what a size's calls cost for the same work.
+``--flat-old`` drives OLD trees in the same rotation.
 
 Also measured: chained page hashing per page (NEW: from packed bytes; OLD: ``page_hashes``
 over token ints) against SGLang's native page hash approach (its key's ints into a uint32
@@ -118,6 +137,7 @@ class Workload:
         return self.rng.choices(self.vocab, k=n)
 
     def next(self) -> tuple[list[int], list[int]]:
+        """The next request: a turn of one of the sessions in flight, picked at random."""
         a = self.args
         while len(self.sessions) < a.active:
             self.sessions.append((list(self.systems[self.next_session % a.systems]), 0))
@@ -166,6 +186,8 @@ class Side:
         }
         self.hit_tokens = 0
         self.evict_calls = 0
+        self.pages_evicted = 0  # device pages freed by evictions, timed or not
+        self.warmup_requests = 0
         self.removed = {"evict": 0, "evict_m": 0}  # nodes removed by timed evictions
         self.per_node: dict[str, list[int]] = {"evict": [], "evict_m": []}
         # Per timed call: nodes it removed, device pages it freed.
@@ -177,6 +199,7 @@ class Side:
         # --flush-mb: caches are flushed (a copy of that many MiB) before each eviction call.
         mb = getattr(args, "flush_mb", 0)
         self.flush = (bytearray(mb << 20), bytes(mb << 20)) if mb else None
+        self.hicache_alloc = not getattr(args, "alloc_full", False)
         # CPU time of this thread: time spent descheduled on a loaded machine is not counted.
         self.clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
 
@@ -187,6 +210,7 @@ class Side:
         return self.mod.RadixKey(tokens, "")
 
     def _free(self, r: Any) -> None:
+        self.pages_evicted += len(r.device_pages)
         self.pages.free.extend(r.device_pages)
         self.slots.free.extend(r.mamba_device_slots)
 
@@ -223,9 +247,17 @@ class Side:
         self.hit_tokens += m.usable_len
         full = prompt + reply
         n = len(full) // self.ps
-        while len(self.pages.free) < n:
-            self._evict("evict", n - len(self.pages.free), record)
-        pages = self.pages.take(n)
+        if self.hicache_alloc:
+            # As HiCache: the matched prefix is locked while the request runs, and pages
+            # are allocated for the tokens after it only (``alloc_pages(req, n_new)``).
+            prefix = m.device_indices
+            self.tree.lock(m.last_node)
+        else:
+            prefix = ()  # --alloc-full: pages for every token, the unused ones freed after
+        need = n - len(prefix)
+        while len(self.pages.free) < need:
+            self._evict("evict", need - len(self.pages.free), record)
+        pages = [*prefix, *self.pages.take(need)]
         slot = None
         if self.mamba:
             while not self.slots.free:
@@ -235,7 +267,12 @@ class Side:
         t2 = clock()
         r = self.tree.insert(self.key(tokens), pages, mamba_device_slot=slot)
         t3 = clock()
-        self.pages.free.extend(r.unused_device_indices)
+        unused = r.unused_device_indices
+        # The tree holds the (locked) prefix pages: they come back first as not taken.
+        assert tuple(unused[: len(prefix)]) == tuple(prefix)
+        self.pages.free.extend(unused[len(prefix) :])
+        if self.hicache_alloc:
+            self.tree.unlock(m.last_node)
         if slot is not None and not r.mamba_device_taken:
             self.slots.free.append(slot)
         if record:
@@ -265,6 +302,33 @@ def counts(xs: list[int]) -> dict[str, float]:
     return {"mean": sum(s) / len(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))]}
 
 
+def by_victims(times: list[int], victims: list[int]) -> dict[int, list[int]]:
+    """Call times grouped by the number of nodes each call removed."""
+    out: dict[int, list[int]] = {}
+    for t, v in zip(times, victims, strict=True):
+        out.setdefault(v, []).append(t)
+    return out
+
+
+def equal_work(groups: dict[int, list[int]], ref: dict[int, list[int]]) -> dict[str, float]:
+    """Mean and p99 per call (us) of ``groups``' calls weighted to ``ref``'s mix of victims
+    per call: what this tree's calls cost if they did the reference tree's work (victim
+    counts that only one side has are left out). Every call is kept, none is re-timed."""
+    common = [v for v in groups if v in ref]
+    total = sum(len(ref[v]) for v in common)
+    if not total:
+        return {"n": 0}
+    weighted = sorted((t, len(ref[v]) / len(groups[v]) / total) for v in common for t in groups[v])
+    mean = sum(t * w for t, w in weighted)
+    acc, p99 = 0.0, weighted[-1][0]
+    for t, w in weighted:
+        acc += w
+        if acc >= 0.99:
+            p99 = t
+            break
+    return {"n": len(weighted), "mean_us": mean / 1e3, "p99_us": p99 / 1e3}
+
+
 def scaled(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with ``--active`` / ``--systems`` per 10,000 pages of the pool (unless
     ``--fixed-workload``): the same shape of tree at every size."""
@@ -273,6 +337,14 @@ def scaled(args: argparse.Namespace) -> argparse.Namespace:
     k = args.pages / 10000
     active, systems = max(1, round(args.active * k)), max(1, round(args.systems * k))
     return argparse.Namespace(**{**vars(args), "active": active, "systems": systems})
+
+
+def warming(side: Side, done: int, args: argparse.Namespace) -> bool:
+    """Whether the untimed warm-up after the fill goes on: ``--warmup`` requests at least,
+    and until evictions freed ``--warmup-turnover`` times the pool (every node filled
+    before the first eviction is gone: the tree is in its steady state, not the fill's
+    shape, at every size; a 100k-page tree needs ~100x the requests of a 1k one)."""
+    return done < args.warmup or side.pages_evicted < args.warmup_turnover * args.pages
 
 
 def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
@@ -289,10 +361,12 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
         for side in sides:
             side.request(prompt, reply, record=False)
         fill += 1
-    for _ in range(args.warmup):
+    warm = 0
+    while warming(sides[1], warm, args):
         prompt, reply = work.next()
         for side in sides:
             side.request(prompt, reply, record=False)
+        warm += 1
     gc.collect()
     gc.freeze()
     gc.disable()  # collections run between requests (below), never inside a timed op
@@ -314,6 +388,7 @@ def run_config(old: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
         "active_sessions": args.active,
         "systems": args.systems,
         "fill_requests": fill,
+        "warmup_requests": warm,
     }
     for side in sides:
         out[side.name] = {op: summary(t) for op, t in side.times.items()}
@@ -357,8 +432,11 @@ def run_flatness(args: argparse.Namespace, old: ModuleType | None = None) -> dic
             side, work = Side(version, mod, cfg), Workload(cfg)
             while not side.evict_calls:
                 side.request(*work.next(), record=False)
-            for _ in range(args.warmup):
+            warm = 0
+            while warming(side, warm, cfg):
                 side.request(*work.next(), record=False)
+                warm += 1
+            side.warmup_requests = warm
             sides.append(side)
             works.append(work)
             names.append(str(pages) if version == "new" else f"old_{pages}")
@@ -386,14 +464,34 @@ def run_flatness(args: argparse.Namespace, old: ModuleType | None = None) -> dic
             "pages_freed_per_call": counts(side.freed["evict"]),
             "tree_nodes": side.tree.num_nodes,
             "hit_tokens": side.hit_tokens,
+            "warmup_requests": side.warmup_requests,
+        }
+    groups = {
+        name: by_victims(side.times["evict"], side.victims["evict"])
+        for name, side in zip(names, sides, strict=True)
+    }
+    for name in names:
+        out[name]["evict_by_victims"] = {
+            str(v): summary(ts) for v, ts in sorted(groups[name].items())
         }
     for prefix in ("", "old_") if old is not None else ("",):
         small = out[f"{prefix}{args.pages[0]}"]["evict"]
+        ref = groups[f"{prefix}{args.pages[0]}"]
         for pages in args.pages:
             e = out[f"{prefix}{pages}"]["evict"]
             if e.get("n") and small.get("n"):
                 e["p99_over_smallest"] = e["p99_us"] / small["p99_us"]
                 e["mean_over_smallest"] = e["mean_us"] / small["mean_us"]
+            # The same per size with every tree's calls weighted to the smallest tree's
+            # victims per call (a small tree's workload cannot have exactly the shape of
+            # a large one's: see the module docstring).
+            eq = out[f"{prefix}{pages}"]["evict_equal_work"] = equal_work(
+                groups[f"{prefix}{pages}"], ref
+            )
+            small_eq = out[f"{prefix}{args.pages[0]}"].get("evict_equal_work", eq)
+            if eq.get("n") and small_eq.get("n"):
+                eq["p99_over_smallest"] = eq["p99_us"] / small_eq["p99_us"]
+                eq["mean_over_smallest"] = eq["mean_us"] / small_eq["mean_us"]
     return out
 
 
@@ -535,6 +633,18 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1500, help="timed requests per config")
     p.add_argument("--warmup", type=int, default=200, help="untimed requests after the fill")
     p.add_argument(
+        "--warmup-turnover",
+        type=float,
+        default=1.0,
+        help="the warm-up also runs until evictions freed this many times the pool's pages",
+    )
+    p.add_argument(
+        "--alloc-full",
+        action="store_true",
+        help="pages for every token of a request, the prefix unlocked (before session 14: "
+        "not what HiCache does)",
+    )
+    p.add_argument(
         "--block",
         type=int,
         default=64,
@@ -645,13 +755,17 @@ def main() -> None:
             for pages in names:
                 e, v = f[pages]["evict"], f[pages]["victims_per_call"]
                 pn = f[pages]["evict_per_removed_node"]
+                eq = f[pages]["evict_equal_work"]
                 print(
                     f"flat ps={ps:3d} pages={pages:>10} evict {e['mean_us']:.1f}/{e['p50_us']:.1f}"
                     f"/{e['p99_us']:.1f} us (mean/p50/p99) p99/smallest"
                     f" {e.get('p99_over_smallest', float('nan')):.2f}"
                     f" victims/call {v['mean']:.2f}/{v['p99']}"
                     f" pages/call {f[pages]['pages_freed_per_call']['mean']:.1f}"
-                    f" per removed node {pn['mean_us']:.1f}/{pn['p99_us']:.1f} us",
+                    f" per removed node {pn['mean_us']:.1f}/{pn['p99_us']:.1f} us"
+                    f" | equal work {eq.get('mean_us', float('nan')):.1f}/"
+                    f"{eq.get('p99_us', float('nan')):.1f} us p99/smallest"
+                    f" {eq.get('p99_over_smallest', float('nan')):.2f}",
                     flush=True,
                 )
     results["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
