@@ -11,14 +11,6 @@ recency by the span of the candidates' ages. This policy does the same online, i
 heap-friendly form: the horizon is ``scale`` times the running mean age of its victims
 (ticks from their last access to their eviction), learnt from the eviction stream alone.
 
-Optionally (``spread`` > 0, off by default) the horizon is also divided by the running
-spread of the victims' ``l`` (mean absolute deviation, floored at ``spread``), as Marconi
-normalizes value by the candidates' value span: a value one spread above the victims'
-then buys ``scale`` mean victim ages of extra lifetime on every shape. ``scale=2,
-spread=0.05`` won the seed-1 selection of session 14 narrowly (7 of 9 cells, +0.80 points
-over LRU against +0.76) but lost to the default on the held-out seeds 0 and 2 (README
-"Cache policy on replayed traces"), so it is not the default.
-
 The horizon is a function of logical time, ``H(t)``, that moves towards its target at a
 slope of at most ``1 / clip`` per tick and is only ever extended past the present, so
 ``t + H(t) * l`` never decreases in ``t`` for ``|l| <= clip``: a touch only raises a
@@ -57,11 +49,10 @@ class AdaptiveCostPolicy(EvictionPolicy):
 
     ``l``: ``ln(value / unit)`` clipped to ``[-clip, clip]``, with ``value`` and ``unit`` as
     in ``DecayCostPolicy``. ``H`` starts at ``horizon`` and follows
-    ``min(scale * mean victim age / max(spread of l, spread), max_horizon)`` (``spread``
-    0, the default: no division; the spread starts at the first victim's ``|l|``); both means are
-    exponential moving averages with weight ``mean_decay`` per victim, and the target
-    moves when it drifts by more than 2 % (plus one tick) from the last one. The constants
-    were chosen once on the seed-1 traces for every shape and budget alike (README).
+    ``min(scale * mean victim age, max_horizon)``; the mean is an exponential moving
+    average with weight ``mean_decay`` per victim, and the target moves when it drifts
+    by more than 2 % (plus one tick) from the last one. The constants were chosen once
+    on the seed-1 traces for every shape and budget alike (README).
     """
 
     path_stats = True
@@ -75,14 +66,11 @@ class AdaptiveCostPolicy(EvictionPolicy):
         max_horizon: float = 2000.0,
         clip: float = 8.0,
         mean_decay: float = 1.0 / 1024,
-        spread: float = 0.0,
     ) -> None:
         if not isinstance(cost, CostModel):
             raise TypeError(f"AdaptiveCostPolicy needs a CostModel, got {cost!r}")
         if not 0 <= horizon <= max_horizon:
             raise ValueError(f"need 0 <= horizon <= max_horizon, got {horizon!r}, {max_horizon!r}")
-        if not spread >= 0:
-            raise ValueError(f"AdaptiveCostPolicy spread must be >= 0, got {spread!r}")
         for name, v in (("scale", scale), ("clip", clip), ("mean_decay", mean_decay)):
             if not v > 0:
                 raise ValueError(f"AdaptiveCostPolicy {name} must be > 0, got {v!r}")
@@ -93,7 +81,6 @@ class AdaptiveCostPolicy(EvictionPolicy):
         self.max_horizon = float(max_horizon)
         self.clip = float(clip)
         self.mean_decay = float(mean_decay)
-        self.spread = float(spread)
         self._value = CostPolicy(cost, run_bytes=False)
         self._unit = cost.flops_per_token / cost.kv_bytes_per_token
         # 0.999: float rounding must never let a key decrease on a touch.
@@ -103,8 +90,6 @@ class AdaptiveCostPolicy(EvictionPolicy):
         self._h: list[float] = [float(horizon)]
         self._goal: list[float] = [float(horizon)]
         self._age = 0.0
-        self._lmean = 0.0  # running mean of the victims' l
-        self._lspread = 0.0  # running mean absolute deviation of the victims' l
         self._clock = 0  # the latest logical time seen (a knot starts after it)
         self.victims = 0
         """Victims seen (each fed the mean age)."""
@@ -150,16 +135,7 @@ class AdaptiveCostPolicy(EvictionPolicy):
         age = max(self._clock - stats.last_access, 0)
         self._age += (self.mean_decay if self.victims else 1.0) * (age - self._age)
         self.victims += 1
-        goal = self.scale * self._age
-        if self.spread:
-            # Normalize l by its spread among the victims, as Marconi's min-max does over
-            # the candidates: H * l = scale * age * (l / spread).
-            w = self.mean_decay if self.victims > 1 else 1.0
-            ell = self.log_value(stats, target)
-            self._lspread += w * (abs(ell - self._lmean) - self._lspread)
-            self._lmean += w * (ell - self._lmean)
-            goal /= max(self._lspread, self.spread)
-        goal = min(goal, self.max_horizon)
+        goal = min(self.scale * self._age, self.max_horizon)
         if abs(goal - self._goal[-1]) > 0.02 * self._goal[-1] + 1.0:
             self._set_goal(self._clock + 1, goal)
 

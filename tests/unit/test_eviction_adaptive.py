@@ -64,29 +64,6 @@ def test_horizon_moves_towards_scale_times_the_mean_victim_age_at_a_bounded_slop
     assert policy.knots() == knots and policy.horizon == 45.0
 
 
-def test_horizon_is_divided_by_the_victims_spread_of_log_values():
-    policy = AdaptiveCostPolicy(COST, scale=2.0, horizon=100.0, mean_decay=0.5, spread=0.05)
-    low, high = leaf(0, anchor=16), leaf(0, anchor=4)  # the second saves more per byte
-    l_lo, l_hi = policy.log_value(low, DEV), policy.log_value(high, DEV)
-    assert l_hi - l_lo > 0.5
-    policy.on_evict(None, DEV, low, 10)  # type: ignore[arg-type]
-    # First victim: mean age 10, spread starts at |l|.
-    assert policy.horizon == pytest.approx(2.0 * 10 / abs(l_lo))
-    policy.on_evict(None, DEV, high, 20)  # type: ignore[arg-type]
-    spread = abs(l_lo) + 0.5 * (abs(l_hi - l_lo) - abs(l_lo))
-    assert policy.horizon == pytest.approx(2.0 * 15 / spread)
-    # Victims that all look alike drive the spread to its floor: H = scale * age / floor.
-    for clock in range(30, 400, 10):
-        policy.on_evict(None, DEV, leaf(clock - 10, anchor=16), clock)  # type: ignore[arg-type]
-    assert policy.horizon == pytest.approx(min(2.0 * policy.mean_age / 0.05, 2000.0), rel=0.03)
-    # spread=0 (the default): H = scale * mean age whatever the values.
-    plain = AdaptiveCostPolicy(COST, scale=2.0, horizon=100.0, mean_decay=0.5)
-    plain.on_evict(None, DEV, low, 10)  # type: ignore[arg-type]
-    assert plain.horizon == pytest.approx(20.0)
-    with pytest.raises(ValueError, match="spread"):
-        AdaptiveCostPolicy(COST, spread=-1.0)
-
-
 def test_touching_never_lowers_a_key_and_the_past_never_changes():
     rng = random.Random(3)
     policy = AdaptiveCostPolicy(COST, scale=20.0, horizon=300.0, clip=6.0, mean_decay=0.3)
