@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from mesh_hicache.radix import eviction
 from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
-from runtime.profiles import ModelProfile, load_hf_config, profile
+from runtime.profiles import ModelProfile, profile
+from runtime.profiles_hf import load_hf_config
 from runtime.replay import SPLITS, TIERS, Replayer, budget_cache
 from runtime.traces import TraceRequest, read_jsonl
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from runtime.profiles import ModelProfile, from_hf_config, load_hf_config, profile
+from runtime.profiles import ModelProfile, profile
+from runtime.profiles_hf import from_hf_config, load_hf_config
 from runtime.traces import make_trace, trace_shape, write_jsonl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
