@@ -73,28 +73,26 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import importlib
 import importlib.util
 import os
-import random
-import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
-from array import array
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import bench_common
+from bench_radix_drive import Side, Workload, by_victims, counts, equal_work, summary
+from bench_radix_hash import bench_hashing, build_sglang_like_hash
 
 from mesh_hicache import radix as new_radix
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_PKG = "old_radix_bench"
+OLD_REV = "4301f1e"
+"""The OLD tree by default: the radix package before issue 20."""
 
 
 def load_old_radix(rev: str, folder: str) -> ModuleType:
@@ -120,213 +118,6 @@ def load_old_radix(rev: str, folder: str) -> ModuleType:
             f.write(src.replace("mesh_hicache.radix", OLD_PKG))
     sys.path.insert(0, folder)
     return importlib.import_module(OLD_PKG)
-
-
-class Workload:
-    """The request stream: (session id, prompt tokens, reply tokens) per request."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.rng = random.Random(args.seed)
-        self.vocab = list(range(32000))  # shared int objects, like a tokenizer's output
-        self.args = args
-        self.systems = [self._tokens(args.system_tokens) for _ in range(args.systems)]
-        self.sessions: list[tuple[list[int], int]] = []  # (history, turns done)
-        self.next_session = 0
-
-    def _tokens(self, n: int) -> list[int]:
-        return self.rng.choices(self.vocab, k=n)
-
-    def next(self) -> tuple[list[int], list[int]]:
-        """The next request: a turn of one of the sessions in flight, picked at random."""
-        a = self.args
-        while len(self.sessions) < a.active:
-            self.sessions.append((list(self.systems[self.next_session % a.systems]), 0))
-            self.next_session += 1
-        i = self.rng.randrange(len(self.sessions))
-        history, done = self.sessions[i]
-        prompt = history + self._tokens(a.user_tokens)
-        reply = self._tokens(a.reply_tokens)
-        if done + 1 >= a.turns:
-            self.sessions.pop(i)
-        else:
-            self.sessions[i] = (prompt + reply, done + 1)
-        return prompt, reply
-
-
-def tokenizer_output(tokens: list[int]) -> list[int]:
-    """A new list of new int objects with the values of ``tokens`` (like a tokenizer's)."""
-    return array("q", tokens).tolist()
-
-
-class Pool:
-    """A free list of page/slot ids."""
-
-    def __init__(self, capacity: int) -> None:
-        self.free = list(range(capacity - 1, -1, -1))
-
-    def take(self, n: int) -> list[int]:
-        return [self.free.pop() for _ in range(n)]
-
-
-class Side:
-    """One tree (OLD or NEW) with its pools, driven the way the cache drives it."""
-
-    def __init__(self, name: str, mod: ModuleType, args: argparse.Namespace) -> None:
-        self.name = name
-        self.mod = mod
-        self.ps = args.page_size
-        self.mamba = args.mamba
-        self.tree = mod.RadixTree(self.ps, has_mamba=args.mamba)
-        self.pages = Pool(args.pages)
-        # Twice the states of the turns that fit in the pages: the page pool binds first.
-        turn_tokens = args.user_tokens + args.reply_tokens
-        self.slots = Pool(max(4, 2 * args.pages * self.ps // turn_tokens))
-        self.times: dict[str, list[int]] = {
-            op: [] for op in ("match", "match_key", "insert", "evict", "evict_m")
-        }
-        self.hit_tokens = 0
-        self.evict_calls = 0
-        self.pages_evicted = 0  # device pages freed by evictions, timed or not
-        self.warmup_requests = 0
-        self.removed = {"evict": 0, "evict_m": 0}  # nodes removed by timed evictions
-        self.per_node: dict[str, list[int]] = {"evict": [], "evict_m": []}
-        # Per timed call: nodes it removed, device pages it freed.
-        self.victims: dict[str, list[int]] = {"evict": [], "evict_m": []}
-        self.freed: dict[str, list[int]] = {"evict": [], "evict_m": []}
-        # The facade's key building of 4301f1e (token ints into a tuple) where the
-        # package predates packed keys.
-        self.old = not hasattr(mod, "pack_tokens")
-        # --flush-mb: caches are flushed (a copy of that many MiB) before each eviction call.
-        mb = getattr(args, "flush_mb", 0)
-        self.flush = (bytearray(mb << 20), bytes(mb << 20)) if mb else None
-        self.hicache_alloc = not getattr(args, "alloc_full", False)
-        # CPU time of this thread: time spent descheduled on a loaded machine is not counted.
-        self.clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
-
-    def key(self, tokens: list[int]) -> Any:
-        # What each version's facade does with a request's tokens.
-        if self.old:
-            return self.mod.RadixKey(tuple(int(t) for t in tokens), "")
-        return self.mod.RadixKey(tokens, "")
-
-    def _free(self, r: Any) -> None:
-        self.pages_evicted += len(r.device_pages)
-        self.pages.free.extend(r.device_pages)
-        self.slots.free.extend(r.mamba_device_slots)
-
-    def _evict(self, what: str, n: int, record: bool) -> None:
-        self.evict_calls += 1
-        clock = self.clock
-        nodes = self.tree.num_nodes
-        if self.flush is not None and record:
-            self.flush[0][:] = self.flush[1]  # every cache level cold, whatever the tree size
-        t0 = clock()
-        if what == "evict":
-            r = self.tree.evict_device(n)
-        else:
-            r = self.tree.evict_mamba_device(n)
-        t1 = clock()
-        if record:
-            self.times[what].append(t1 - t0)
-            self.removed[what] += nodes - self.tree.num_nodes
-            # Per removed node: the calls of a small tree remove fewer, larger victims.
-            self.per_node[what].append((t1 - t0) // max(1, nodes - self.tree.num_nodes))
-            self.victims[what].append(nodes - self.tree.num_nodes)
-            self.freed[what].append(len(r.device_pages))
-        self._free(r)
-
-    def request(self, prompt: list[int], reply: list[int], record: bool) -> None:
-        # Each side gets the token lists as a tokenizer hands them over: fresh int objects.
-        prompt, reply = tokenizer_output(prompt), tokenizer_output(reply)
-        clock = self.clock
-        t0 = clock()
-        key = self.key(prompt)
-        tk = clock()
-        m = self.tree.match_prefix(key)
-        t1 = clock()
-        self.hit_tokens += m.usable_len
-        full = prompt + reply
-        n = len(full) // self.ps
-        if self.hicache_alloc:
-            # As HiCache: the matched prefix is locked while the request runs, and pages
-            # are allocated for the tokens after it only (``alloc_pages(req, n_new)``).
-            prefix = m.device_indices
-            self.tree.lock(m.last_node)
-        else:
-            prefix = ()  # --alloc-full: pages for every token, the unused ones freed after
-        need = n - len(prefix)
-        while len(self.pages.free) < need:
-            self._evict("evict", need - len(self.pages.free), record)
-        pages = [*prefix, *self.pages.take(need)]
-        slot = None
-        if self.mamba:
-            while not self.slots.free:
-                self._evict("evict_m", 1, record)
-            slot = self.slots.take(1)[0]
-        tokens = full[: n * self.ps]
-        t2 = clock()
-        r = self.tree.insert(self.key(tokens), pages, mamba_device_slot=slot)
-        t3 = clock()
-        unused = r.unused_device_indices
-        # The tree holds the (locked) prefix pages: they come back first as not taken.
-        assert tuple(unused[: len(prefix)]) == tuple(prefix)
-        self.pages.free.extend(unused[len(prefix) :])
-        if self.hicache_alloc:
-            self.tree.unlock(m.last_node)
-        if slot is not None and not r.mamba_device_taken:
-            self.slots.free.append(slot)
-        if record:
-            self.times["match"].append(t1 - t0)
-            self.times["match_key"].append(tk - t0)
-            self.times["insert"].append(t3 - t2)
-
-
-def summary(ns: list[int]) -> dict[str, float]:
-    """Mean, median and p99 of nanosecond samples, in microseconds."""
-    if not ns:
-        return {"n": 0}
-    s = sorted(ns)
-    return {
-        "n": len(s),
-        "mean_us": sum(s) / len(s) / 1e3,
-        "p50_us": s[len(s) // 2] / 1e3,
-        "p99_us": s[min(len(s) - 1, int(0.99 * len(s)))] / 1e3,
-    }
-
-
-def counts(xs: list[int]) -> dict[str, float]:
-    """Mean and p99 of per-call counts."""
-    if not xs:
-        return {"n": 0}
-    s = sorted(xs)
-    return {"mean": sum(s) / len(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))]}
-
-
-def by_victims(times: list[int], victims: list[int]) -> dict[int, list[int]]:
-    """Call times grouped by the number of nodes each call removed."""
-    out: dict[int, list[int]] = {}
-    for t, v in zip(times, victims, strict=True):
-        out.setdefault(v, []).append(t)
-    return out
-
-
-def equal_work(groups: dict[int, list[int]], ref: dict[int, list[int]]) -> dict[str, float]:
-    """Mean and p99 per call (us) of ``groups``' calls weighted to ``ref``'s mix of victims
-    per call: what this tree's calls cost if they did the reference tree's work (victim
-    counts that only one side has are left out). Every call is kept, none is re-timed."""
-    common = [v for v in groups if v in ref]
-    total = sum(len(ref[v]) for v in common)
-    if not total:
-        return {"n": 0}
-    weighted = sorted((t, len(ref[v]) / len(groups[v]) / total) for v in common for t in groups[v])
-    mean = sum(t * w for t, w in weighted)
-    acc, p99 = 0.0, weighted[-1][0]
-    for t, w in weighted:
-        acc += w
-        if acc >= 0.99:
-            p99 = t
-            break
-    return {"n": len(weighted), "mean_us": mean / 1e3, "p99_us": p99 / 1e3}
 
 
 def scaled(args: argparse.Namespace) -> argparse.Namespace:
@@ -495,127 +286,6 @@ def run_flatness(args: argparse.Namespace, old: ModuleType | None = None) -> dic
     return out
 
 
-# SGLang's page hash approach (sglang/srt/mem_cache/cpp_utils: hash_binding.cpp), written
-# here from its description: the key's token ids go into an ``array("I")`` (uint32), then ONE
-# native call hashes every page, SHA-256(previous page's digest, none for the first page +
-# the page's uint32 little-endian ids) with OpenSSL, the GIL released, and returns the
-# digests as a list of hex str. Built at run time (skipped with a note without cc).
-_SGLANG_HASH_C = r"""
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <string.h>
-typedef struct { unsigned long long opaque[32]; } SHA256_CTX; /* room for OpenSSL's */
-int SHA256_Init(SHA256_CTX *c);
-int SHA256_Update(SHA256_CTX *c, const void *data, size_t len);
-int SHA256_Final(unsigned char *md, SHA256_CTX *c);
-
-static PyObject *page_hashes(PyObject *self, PyObject *args) {
-    Py_buffer buf;
-    Py_ssize_t ps, n, pages, i;
-    int j, has_prior = 0;
-    unsigned char prior[32];
-    static const char hexd[] = "0123456789abcdef";
-    char *hex;
-    PyObject *out;
-    if (!PyArg_ParseTuple(args, "y*n", &buf, &ps)) return NULL;
-    n = buf.len / 4;
-    pages = ps > 0 ? n / ps : 0;
-    hex = PyMem_Malloc(pages * 64 + 1);
-    Py_BEGIN_ALLOW_THREADS
-    for (i = 0; i < pages; i++) {
-        SHA256_CTX c;
-        SHA256_Init(&c);
-        if (has_prior) SHA256_Update(&c, prior, 32);
-        SHA256_Update(&c, (const char *)buf.buf + i * ps * 4, ps * 4);
-        SHA256_Final(prior, &c);
-        has_prior = 1;
-        for (j = 0; j < 32; j++) {
-            hex[i * 64 + 2 * j] = hexd[prior[j] >> 4];
-            hex[i * 64 + 2 * j + 1] = hexd[prior[j] & 15];
-        }
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&buf);
-    out = PyList_New(pages);
-    for (i = 0; out && i < pages; i++) {
-        PyObject *h = PyUnicode_FromStringAndSize(hex + i * 64, 64);
-        if (!h) { Py_CLEAR(out); break; }
-        PyList_SET_ITEM(out, i, h);
-    }
-    PyMem_Free(hex);
-    return out;
-}
-static PyMethodDef methods[] = {{"page_hashes", page_hashes, METH_VARARGS, NULL}, {NULL}};
-static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "sglang_like_hash", NULL, -1, methods};
-PyMODINIT_FUNC PyInit_sglang_like_hash(void) { return PyModule_Create(&mod); }
-"""
-
-
-def build_sglang_like_hash(folder: str) -> tuple[ModuleType | None, str]:
-    """The SGLang-approach page hash module compiled into ``folder``, or (None, why)."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None, "no C compiler (cc)"
-    src = os.path.join(folder, "sglang_like_hash.c")
-    with open(src, "w") as f:
-        f.write(_SGLANG_HASH_C)
-    out = os.path.join(folder, "sglang_like_hash" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cmd = [cc, "-O3", "-shared", "-fPIC", "-I", sysconfig.get_paths()["include"], src]
-    r = subprocess.run([*cmd, "-lcrypto", "-o", out], capture_output=True, text=True)
-    if r.returncode:
-        return None, f"build failed: {r.stderr.strip()[-300:]}"
-    spec = importlib.util.spec_from_file_location("sglang_like_hash", out)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod, ""
-
-
-def bench_hashing(
-    old: ModuleType, sgl: ModuleType | None, page_size: int, reps: int
-) -> dict[str, float]:
-    """Microseconds per page (best of ``reps``, thread CPU time), alternated: chained hashes
-    (NEW from packed bytes, OLD from ints), SGLang's approach (``sgl``: uint32 array of the
-    key's ints + one native call), and native hashes of each page (``hashlib.sha256`` of the
-    same bytes; Python's built-in ``hash`` of the page's token tuple)."""
-    rng = random.Random(1)
-    tokens = tokenizer_output([rng.randrange(32000) for _ in range(page_size * 64)])
-    key = new_radix.RadixKey(tokens)
-    data = key.data
-    step = page_size * 8
-    view = memoryview(data)
-    sha256 = hashlib.sha256
-    fns: dict[str, Callable[[], object]] = {
-        "new_chained": lambda: key.page_hashes(page_size),
-        "old_chained": lambda: old.page_hashes(tokens, page_size),
-        # The same bytes, cut from the same packed buffer, one native hash per page.
-        "sha256_page_bytes": lambda: [
-            sha256(view[i : i + step]).digest() for i in range(0, len(data), step)
-        ],
-        "builtin_hash_page_tuple": lambda: [
-            hash(tuple(tokens[i : i + page_size])) for i in range(0, len(tokens), page_size)
-        ],
-    }
-    if sgl is not None:
-        # What SGLang does per node: its key is a list of ints, packed per call.
-        fns["sglang_native"] = lambda: sgl.page_hashes(array("I", tokens), page_size)
-        ref = hashlib.sha256(array("I", tokens[:page_size]).tobytes()).hexdigest()
-        assert sgl.page_hashes(array("I", tokens), page_size)[0] == ref
-    # Same number of chained hashes (the byte encoding is versioned: v1 old, v2 new).
-    assert len(key.page_hashes(page_size)) == len(old.page_hashes(tokens, page_size)) == 64
-    best = {name: float("inf") for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.thread_time_ns()
-            fn()
-            best[name] = min(best[name], (time.thread_time_ns() - t0) / 64 / 1e3)
-    best["new_over_sha256"] = best["new_chained"] / best["sha256_page_bytes"]
-    best["new_over_builtin_hash"] = best["new_chained"] / best["builtin_hash_page_tuple"]
-    if sgl is not None:
-        best["new_over_sglang_native"] = best["new_chained"] / best["sglang_native"]
-    return best
-
-
 def pin() -> int | None:
     """Pin this process to one CPU (the last one it may use); returns it."""
     if not hasattr(os, "sched_setaffinity"):
@@ -687,7 +357,7 @@ def main() -> None:
         "what eviction costs when no size keeps its working set cached)",
     )
     p.add_argument("--no-mamba", dest="mamba", action="store_false", help="KV-only trees")
-    p.add_argument("--old-rev", default="4301f1e", help="git revision of the OLD tree")
+    p.add_argument("--old-rev", default=OLD_REV, help="git revision of the OLD tree")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--clock",
