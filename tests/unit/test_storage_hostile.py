@@ -149,14 +149,20 @@ def test_swapping_a_directory_for_a_symlink_never_writes_outside(tmp_path):
                 except OSError:
                     continue
 
+    # The swapper needs the GIL for every syscall it makes; at the default 5 ms switch
+    # interval the store's loop starves it (11 swaps in 4,000 puts on a 2-core CI box).
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     thread = threading.Thread(target=swapper)
     thread.start()
     try:
         dst = torch.empty_like(page(0))
         wrong = 0
         i = 0
-        # Until the race was hit often enough (bounded: a loaded machine swaps slowly).
-        while i < 4000 and (i < 300 or swaps[0] < 20 or store.stats.unsafe == 0):
+        # Until the race was hit often enough, bounded by time rather than by puts: a
+        # loaded machine swaps slowly, and the count of puts per swap varies with load.
+        deadline = time.monotonic() + 120.0
+        while time.monotonic() < deadline and (i < 300 or swaps[0] < 20 or store.stats.unsafe == 0):
             i += 1
             store.put_one(key(i), page(i))
             if store.get_one(key(i), dst) and not torch.equal(dst, page(i)):
@@ -164,6 +170,7 @@ def test_swapping_a_directory_for_a_symlink_never_writes_outside(tmp_path):
     finally:
         stop.set()
         thread.join()
+        sys.setswitchinterval(interval)
     assert swaps[0] >= 20, swaps
     assert files_under(outside) == [] and wrong == 0
     assert store.stats.unsafe > 0  # the race was actually hit
