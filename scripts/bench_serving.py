@@ -46,6 +46,7 @@ from typing import Any
 
 import bench_common
 import bench_load
+import bench_load_report
 import torch
 import torch.distributed as dist
 from bench_common import Column
@@ -434,11 +435,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(threads)
     if topology.coords == (0, 0, 0) and args.mode == "load":
         print(f"mesh (pp, cp, tp) = {topology.shape}, model = {args.model}, {_workload_line(args)}")
-        print(bench_load.report_load(out))
+        print(bench_load_report.report_load(out))
         if args.json:
             bench_common.write_json(out, args.json)
         if args.plot:
-            bench_load.write_load_plot(out["results"]["rows"], args.plot)
+            bench_load_report.write_load_plot(out["results"]["rows"], args.plot)
     elif topology.coords == (0, 0, 0):
         print(
             f"mesh (pp, cp, tp) = {topology.shape}, model = {args.model}, workload = "

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
 import bench_load  # noqa: E402
+import bench_load_report  # noqa: E402
 import bench_serving  # noqa: E402
 
 from runtime.engine import RequestResult  # noqa: E402
@@ -168,7 +169,7 @@ def test_smoke_tiny_run(single_rank_group, tmp_path, capsys) -> None:
 
 
 def _sample(rep: int, ri: int, mode: str, rps: float, **extra) -> dict:
-    base = {k: 1.0 for k in bench_load.METRICS}
+    base = {k: 1.0 for k in bench_load_report.METRICS}
     base.update(repeat=rep, rate_index=ri, rate=0.1 * (ri + 1), mode=mode, outputs_match=True)
     base.update(throughput_rps=rps, throughput_tps=100 * rps, **extra)
     return base
@@ -201,7 +202,7 @@ def test_aggregate_takes_medians_and_same_run_ratios() -> None:
         _sample(2, 0, "host", 2.0, outputs_match=False),
         _sample(0, 1, "device", 5.0),  # no off at this rate
     ]
-    rows = bench_load.aggregate(samples)
+    rows = bench_load_report.aggregate(samples)
     assert [(r["rate_index"], r["mode"]) for r in rows] == [(0, "off"), (0, "host"), (1, "device")]
     off, host, device = rows
     assert off["throughput_rps"] == 1.0 and off["rps_vs_off"] == 1.0 and off["repeats"] == 3
@@ -210,13 +211,13 @@ def test_aggregate_takes_medians_and_same_run_ratios() -> None:
     assert host["throughput_rps"] == 2.0 and host["label"] == "L1+L2"
     assert host["outputs_match"] is False and off["outputs_match"] is True
     assert device["rps_vs_off"] is None
-    accept = bench_load.acceptance(rows)
+    accept = bench_load_report.acceptance(rows)
     assert accept["saturating_rate"] == pytest.approx(0.2)
     assert accept["cached_above_off"] is False  # device has no ratio at the top rate
-    top = bench_load.acceptance(rows[:2])
+    top = bench_load_report.acceptance(rows[:2])
     assert top["host_rps_vs_off"] == 3.0 and top["host_at_least_2x_off"] is True
     assert top["cached_above_off"] is True and top["outputs_match"] is False
-    table = bench_load.render_load_table(rows)
+    table = bench_load_report.render_load_table(rows)
     assert "| L1+L2 " in table and "3.00x" in table and "NO" in table
 
 
@@ -227,20 +228,20 @@ def test_sequential_ratios_use_each_repetitions_own_run() -> None:
         _sample(2, 0, "off", 3.0, cpu_s=5.0),  # repetition 2 has no sequential run
         _sample(0, 0, "host", 4.0, cpu_s=5.0),
     ]
-    rows = bench_load.aggregate(samples)
+    rows = bench_load_report.aggregate(samples)
     sequential = {
         0: {"throughput_rps": 2.0, "cpu_s": 8.0},
         1: {"throughput_rps": 1.0, "cpu_s": 30.0},
     }
-    bench_load.add_sequential_ratios(rows, samples, sequential)
+    bench_load_report.add_sequential_ratios(rows, samples, sequential)
     off, host = rows
     # Per repetition (0.5x, 2x), then the median; repetition 2 is left out.
     assert off["rps_vs_sequential_off"] == pytest.approx(1.25)
     assert off["cpu_vs_sequential_off"] == pytest.approx((0.8 + 1.5) / 2)
     assert host["rps_vs_sequential_off"] == 2.0 and host["cpu_vs_sequential_off"] == 1.6
-    bench_load.add_sequential_ratios(rows, samples, {})
+    bench_load_report.add_sequential_ratios(rows, samples, {})
     assert off["rps_vs_sequential_off"] is None and off["cpu_vs_sequential_off"] is None
-    table = bench_load.render_load_table(rows)
+    table = bench_load_report.render_load_table(rows)
     assert "CPU vs sequential off" in table
 
 
@@ -321,14 +322,14 @@ def test_smoke_load_run(single_rank_group, tmp_path, capsys) -> None:
 def test_load_plot_is_written(tmp_path) -> None:
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e '.[plot]')")
     samples = [_sample(0, i, m, 1.0 + i) for i in range(2) for m in ("off", "host")]
-    rows = bench_load.aggregate(samples)
+    rows = bench_load_report.aggregate(samples)
     path = tmp_path / "load.png"
-    assert bench_load.write_load_plot(rows, str(path)) is True
+    assert bench_load_report.write_load_plot(rows, str(path)) is True
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_load_plot_without_matplotlib(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    assert bench_load.write_load_plot([], str(tmp_path / "x.png")) is False
+    assert bench_load_report.write_load_plot([], str(tmp_path / "x.png")) is False
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
