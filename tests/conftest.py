@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
+
+# Processes the tests start (runtime.serve, the server, examples) run one torch thread,
+# as torchrun's ranks do: two OpenMP threads on a 2-core machine that something else
+# also loads stall in barriers, which made one serve run take 28-185 s instead of ~4.
+# Set after torch is imported, so this process keeps torch's default.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
