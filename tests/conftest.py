@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 # Processes the tests start (runtime.serve, the server, examples) run one torch thread,
 # as torchrun's ranks do: two OpenMP threads on a 2-core machine that something else
-# also loads stall in barriers, which made one serve run take 28-185 s instead of ~4.
+# also loads stall in barriers (a test of three serve runs, ~11 s quiet, took 28-337 s).
 # Set after torch is imported, so this process keeps torch's default.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
