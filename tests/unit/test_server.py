@@ -252,11 +252,11 @@ def test_http_stays_responsive_and_a_disconnect_releases(live) -> None:
     iterator = iter(stream)
     next(iterator)
     next(iterator)
-    # The engine is busy with a 600-token request: health and metrics still answer.
-    t0 = time.perf_counter()
+    # The engine is busy with a 600-token request: health and metrics still answer. The
+    # order proves it, not a clock: /metrics, read after /health, still counts the request
+    # as running, so neither answer waited for it to finish.
     assert live.get("/health")[0] == 200
     assert live.metric("mesh_hicache_server_running") == 1
-    assert time.perf_counter() - t0 < 5
     stream.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 60
     while live.metric("mesh_hicache_server_aborted_total") == aborted:
