@@ -11,7 +11,7 @@ from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools, cupy_cuda_available
 from mesh_hicache.transfer import TransferKind, make_transfer_engine
 from mesh_hicache.transfer.cuda import CudaTransferEngine
-from tests.unit.test_transfer import (
+from tests.unit.transfer_support import (
     LAYERS,
     host_views,
     naive_apply,
