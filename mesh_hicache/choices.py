@@ -114,3 +114,6 @@ class EvictionPolicyKind(Choice):
     ADAPTIVE = "adaptive"
     """``cost`` with its horizon scaled to the victims' mean age, learnt online
     (``radix.adaptive.AdaptiveCostPolicy``; opt-in)."""
+    REUSE = "reuse"
+    """``adaptive``'s order, the victim inside a queue chosen by an online learnt
+    probability of reuse times the value (``radix.reuse.ReusePolicy``; opt-in)."""

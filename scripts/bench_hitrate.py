@@ -43,7 +43,7 @@ from runtime.profiles_hf import load_hf_config
 from runtime.replay import SPLITS, TIERS, Replayer, budget_cache
 from runtime.traces import TraceRequest, read_jsonl
 
-POLICIES = ("lru", "cost", "adaptive", "gds", "marconi")
+POLICIES = ("lru", "cost", "adaptive", "reuse", "gds", "marconi")
 DEFAULT_POLICY = "cost"
 _UNITS = {
     "": 1,
@@ -96,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_POLICY,
         help="eviction policy: cost (this bench's default; opt-in in the cache: saved "
         "FLOPs per byte, decaying exponentially with age), adaptive (cost with its horizon "
-        "scaled online to the victims' mean age), lru, gds (GreedyDual-Size over "
+        "scaled online to the victims' mean age), reuse (adaptive's order, the victim in a "
+        "queue by an online learnt reuse probability times value), lru, gds (GreedyDual-Size over "
         "saved FLOPs per byte), "
         "marconi (the paper's recency + alpha x FLOP efficiency baseline, --alpha)",
     )

@@ -96,6 +96,7 @@ class TreeCore:
         self._miss_root = TreeNode(-1, "", None, b"", 0, is_sentinel=True)
         self._queues = EvictionQueues(self.policy, clock=lambda: self.clock, has_mamba=has_mamba)
         self._rekey_on_touch = not self.policy.monotone
+        self._on_match = self.policy.on_match  # None unless the policy learns from requests
         self.num_nodes = 0
         self.num_device_pages = 0
         self.num_host_pages = 0

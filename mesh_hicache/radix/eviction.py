@@ -91,6 +91,12 @@ class EvictionPolicy(abc.ABC):
     state only there, the same on every rank, and keeps a stored key valid: ``priority``
     stays a function of the stats and of that fixed past."""
 
+    on_match: Callable[[bytes, list[TreeNode], int, int, int, int], None] | None = None
+    """None, or called by the tree on every touching match, before it stamps the path:
+    ``(key bytes, cached nodes walked, bytes they cover, key end in whole pages, page
+    bytes, logical clock)``. A policy that learns from requests (``ReusePolicy``) reads it;
+    it must not change the tree."""
+
     def select(self, entries: list[tuple[Any, ...]], target: EvictTarget) -> int | None:
         """Index into ``entries`` (a target's queue, in priority order) of the victim to take
         instead of the first, or None for the first. A policy whose ranking depends on the
@@ -318,7 +324,13 @@ def make_policy(kind: str | EvictionPolicy, cost: CostModel) -> EvictionPolicy:
         from mesh_hicache.radix.adaptive import AdaptiveCostPolicy  # it imports this module
 
         return AdaptiveCostPolicy(cost)
-    raise ValueError(f"eviction policy {kind!r}; choose from ('lru', 'lfu', 'cost', 'adaptive')")
+    if kind == "reuse":
+        from mesh_hicache.radix.reuse import ReusePolicy  # it imports this module
+
+        return ReusePolicy(cost)
+    raise ValueError(
+        f"eviction policy {kind!r}; choose from ('lru', 'lfu', 'cost', 'adaptive', 'reuse')"
+    )
 
 
 class MarconiPolicy(EvictionPolicy):

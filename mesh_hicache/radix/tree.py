@@ -72,6 +72,8 @@ class RadixTree(TreeCore):
         if touch:
             self.clock += 1
             clock = self.clock
+            if self._on_match is not None:
+                self._on_match(key.data, path, pos, end, self._page_bytes, clock)
             for node in path:  # a touch is a timestamp store (queues re-rank lazily)
                 node.last_access = clock
                 node.hit_count += 1
