@@ -158,3 +158,22 @@ def test_two_identical_runs_agree():
     assert a.weights == b.weights and a.labels == b.labels and ha == hb
     assert ca.victims == cb.victims and ca.tree.digest() == cb.tree.digest()
     assert ca.victims, "the run must evict"
+
+
+def test_exact_resume_from_every_tier_under_the_reuse_policy(
+    one_rank_topology, tmp_path, monkeypatch
+):
+    # The engine's resume scenarios (tests/engine_cases.py) with the learnt policy.
+    import functools
+
+    import tests.engine_cases as cases
+    from mesh_hicache.config import HiCacheConfig
+
+    monkeypatch.setattr(
+        cases, "HiCacheConfig", functools.partial(HiCacheConfig, eviction_policy="reuse")
+    )
+    assert cases.HiCacheConfig(device_pages=1).eviction_policy == "reuse"
+    checks = cases.resume_scenarios(one_rank_topology, root=str(tmp_path))
+    for c in checks:
+        assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
+        assert c.max_diff < cases.ATOL and c.tokens_equal, c.label
