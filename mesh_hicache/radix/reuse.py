@@ -101,6 +101,10 @@ class ReusePolicy(AdaptiveCostPolicy):
         self.ghost_hits = 0
         """Positive labels that came from an evicted node's ghost."""
 
+    def held(self) -> tuple[int, int, int]:
+        """(pending samples, ghosts, gaps) held: the policy's memory, in entries."""
+        return len(self._pending), len(self._ghost_end), len(self._gaps)
+
     # ------------------------------------------------------------------ model
 
     def _features(self, node: TreeNode, target: EvictTarget, now: int) -> tuple[float, ...]:

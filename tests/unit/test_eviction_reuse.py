@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mesh_hicache.radix import EvictTarget, RadixKey, RadixTree
+from mesh_hicache.radix import EvictTarget, RadixKey, RadixTree, reuse
 from mesh_hicache.radix.adaptive import AdaptiveCostPolicy
 from mesh_hicache.radix.eviction import CostModel, make_policy
 from mesh_hicache.radix.reuse import NUM_FEATURES, ReusePolicy
@@ -150,6 +150,19 @@ def test_the_model_learns_which_leaves_come_back_and_victims_follow_it():
     )
     # The learnt victims serve more of the returning prompts than the frozen ones.
     assert hits > 1.2 * frozen_hits
+
+
+def test_memory_is_bounded(monkeypatch):
+    monkeypatch.setattr(reuse, "_GAP_PRUNE", 32)
+    policy, cache, _ = _train(lr=0.05, seed=2)
+    pending, ghosts, gaps = policy.held()
+    # A sample waits at most W ticks and a ghost only while its sample does.
+    assert ghosts <= pending <= policy.labels[0] + policy.labels[1]
+    assert pending <= max(int(policy.window * policy.mean_age), 1) * (policy.samples + 1)
+    # Gaps are kept for live nodes only (dropped with a leaf victim, pruned of dead
+    # nodes once past the bound).
+    alive = sum(1 for _ in cache.tree.iter_nodes())
+    assert gaps <= max(32, alive) + 8
 
 
 def test_two_identical_runs_agree():
