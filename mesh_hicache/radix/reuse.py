@@ -9,14 +9,15 @@ hit at the node saves per byte (as ``AdaptiveCostPolicy``), ``P`` the predicted
 probability that a request uses the node within ``W = window x`` the running mean victim
 age. ``P`` is a logistic regression over what the tree shows of a node (its age over the
 mean victim age, linear and in log form, prefix length, tokens, hit count, whether it has
-children, whether the target is a state, the gap between its last two matches), trained
-by SGD from labels that become known later: a sample is taken of the victim and of a few
-other candidates at each eviction; it is labelled 1 when a later match goes through the
-node, or, once it is evicted, when a later request's prefix extends through its last page
-(a ghost: the end position and last page of its prefix, checked against a BLAKE2 digest
-of the whole prefix), and 0 when ``W`` passes first. The weights start where the ranking
-equals adaptive's (a weight on age of ``-1 / (scale x mean victim age)``), so an untrained
-policy behaves like ``adaptive`` and the data moves it.
+children, whether the target is a state, the ticks from its previous access to its last
+match), trained by SGD from labels that become known later: a sample is taken of the
+victim and of ``samples`` other candidates at each eviction; it is labelled 1 when a later
+match goes through the node, or, once it is evicted, when a later request's prefix
+extends through its last page (a ghost: the end position and last page of its prefix,
+checked against a BLAKE2 digest of the whole prefix), and 0 when ``W`` passes first. The
+weights start where the ranking equals adaptive's (a weight on age of ``-1 / (scale x
+mean victim age)``), so an untrained policy behaves like ``adaptive`` and the data moves
+it.
 
 The policy sees requests through ``on_match``, which the tree calls on every touching
 match before stamping the path (``RadixTree.match_prefix``). Everything is a function of
@@ -93,7 +94,7 @@ class ReusePolicy(AdaptiveCostPolicy):
         # Ghosts: prefix end byte -> [(last page, prefix digest, node id)]; id -> end byte.
         self._ghosts: dict[int, list[tuple[bytes, bytes, int]]] = {}
         self._ghost_end: dict[int, int] = {}
-        # node id -> (ticks between its last two matches, node).
+        # node id -> (ticks from its previous access to its last match, node).
         self._gaps: dict[int, tuple[int, TreeNode]] = {}
         self._selects = 0
         self.labels = [0, 0]
