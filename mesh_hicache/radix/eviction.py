@@ -67,6 +67,22 @@ class NodeStats(NamedTuple):
     """GreedyDual clock of the target's tier at ``last_access`` (``aging`` policies)."""
 
 
+def path_stats(node: TreeNode, has_mamba: bool, inflation: float = 0.0) -> NodeStats:
+    """``node``'s stats with the path fields (``anchor_len`` as last refreshed); a node
+    serves a hit when it holds a state or hits need none (``has_mamba`` False)."""
+    return NodeStats(
+        node.last_access,
+        node.hit_count,
+        node.num_tokens,
+        node.has_mamba_state,
+        node.prefix_len,
+        node.anchor_len,
+        len(node.children),
+        node.has_mamba_state or not has_mamba,
+        inflation,
+    )
+
+
 class EvictionPolicy(abc.ABC):
     """Ranks eviction candidates: the smallest priority is evicted first."""
 
@@ -90,6 +106,10 @@ class EvictionPolicy(abc.ABC):
     tree's logical clock. A policy that learns from it (``AdaptiveCostPolicy``) changes its
     state only there, the same on every rank, and keeps a stored key valid: ``priority``
     stays a function of the stats and of that fixed past."""
+
+    has_mamba: bool = True
+    """Whether a hit in the tree needs a state (a node serves only with one); the tree's
+    queues set it when they take the policy (a policy object ranks one tree)."""
 
     on_match: Callable[[bytes, list[TreeNode], int, int, int, int], None] | None = None
     """None, or called by the tree on every touching match, before it stamps the path:

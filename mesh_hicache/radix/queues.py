@@ -31,7 +31,13 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from mesh_hicache.radix.eviction import EvictionPolicy, EvictTarget, LRUPolicy, NodeStats
+from mesh_hicache.radix.eviction import (
+    EvictionPolicy,
+    EvictTarget,
+    LRUPolicy,
+    NodeStats,
+    path_stats,
+)
 
 if TYPE_CHECKING:
     from mesh_hicache.radix.node import TreeNode
@@ -175,6 +181,7 @@ class EvictionQueues:
         has_mamba: bool = True,
     ) -> None:
         self.policy = policy
+        policy.has_mamba = has_mamba
         self._queues = tuple(_SortedEntries() for _ in TARGETS)
         self._clock = clock
         self._has_mamba = has_mamba
@@ -208,17 +215,7 @@ class EvictionQueues:
             if target in _STATE and node.children:
                 t = node.state_access
             inflation = values[bisect_right(times, t) - 1]
-        return NodeStats(
-            node.last_access,
-            node.hit_count,
-            node.num_tokens,
-            node.has_mamba_state,
-            node.prefix_len,
-            node.anchor_len,
-            len(node.children),
-            node.has_mamba_state or not self._has_mamba,
-            inflation,
-        )
+        return path_stats(node, self._has_mamba, inflation)
 
     def entry(self, node: TreeNode, target: EvictTarget) -> Entry:
         """The node's current queue entry for ``target``."""

@@ -38,7 +38,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from mesh_hicache.radix.adaptive import AdaptiveCostPolicy
-from mesh_hicache.radix.eviction import CostModel, EvictTarget, NodeStats
+from mesh_hicache.radix.eviction import CostModel, EvictTarget, NodeStats, path_stats
 
 if TYPE_CHECKING:
     from mesh_hicache.radix.node import TreeNode
@@ -153,16 +153,7 @@ class ReusePolicy(AdaptiveCostPolicy):
 
     def score(self, node: TreeNode, target: EvictTarget, now: int) -> float:
         """``log P + log(value / unit)``: the victim is the candidate of least score."""
-        stats = NodeStats(
-            node.last_access,
-            node.hit_count,
-            node.num_tokens,
-            node.has_mamba_state,
-            node.prefix_len,
-            node.anchor_len,
-            len(node.children),
-            node.has_mamba_state,
-        )
+        stats = path_stats(node, self.has_mamba)
         v = max(self._value.value(stats, target) / self._unit, _FLOOR)
         z = self._z(self._features(node, target, now))
         logp = -math.log1p(math.exp(-z)) if z >= 0 else z - math.log1p(math.exp(z))

@@ -4,6 +4,7 @@ which nodes come back, victims follow it, runs are deterministic."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -190,3 +191,17 @@ def test_exact_resume_from_every_tier_under_the_reuse_policy(
     for c in checks:
         assert c.cached > 0, f"{c.label}: expected a {c.tier} hit"
         assert c.max_diff < cases.ATOL and c.tokens_equal, c.label
+
+
+def test_without_mamba_every_node_serves_and_is_valued():
+    # In a KV-only tree a hit needs no state, so a node without one still saves compute:
+    # its score carries its value (the floor would make every node's value alike).
+    for has_mamba, valued in ((False, True), (True, False)):
+        policy = ReusePolicy(COST)
+        tree = RadixTree(PS, has_mamba=has_mamba, policy=policy)
+        assert policy.has_mamba is has_mamba
+        tree.insert(RadixKey(tuple(range(3 * PS))), list(range(3)))  # no state
+        node = tree.match_prefix(RadixKey(tuple(range(3 * PS))), touch=False).last_node
+        now = node.last_access
+        logp = math.log(policy.probability(node, DEV, now))
+        assert (policy.score(node, DEV, now) > logp + math.log(reuse._FLOOR) + 1) is valued
