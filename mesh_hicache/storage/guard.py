@@ -227,10 +227,7 @@ class GuardedStorage(StorageBackend):
             self._stats.errors_by_kind[kind] = self._stats.errors_by_kind.get(kind, 0) + 1
             first = kind not in self._warned_errors
             self._warned_errors.add(kind)
-        with self._state_lock:
-            self._degraded = True
-            self._failed_at = self._clock()
-        if first:
+        if first:  # warned before degraded is seen, so a watcher of both finds the reason
             logger.warning(
                 "storage backend failed (%r)%s; L3 disabled, serving from device and host "
                 "only, retrying every %.0f s; further %s failures are only counted in stats",
@@ -241,6 +238,9 @@ class GuardedStorage(StorageBackend):
             )
         else:
             logger.debug("storage backend failing: %r", err)
+        with self._state_lock:
+            self._degraded = True
+            self._failed_at = self._clock()
 
 
 def _check_keys(keys: Sequence[StorageKey], what: str) -> None:

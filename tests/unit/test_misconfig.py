@@ -9,11 +9,13 @@ import json
 import logging
 import os
 import socket
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from mesh_hicache.cache import HiCache
 from mesh_hicache.storage.file import FileStorage
 from runtime import serve, serve_flags, startup_checks
 from runtime.startup_checks import fit_warnings
@@ -135,6 +137,36 @@ def test_backend_failing_later_degrades_and_the_summary_says_when_and_why(
     assert code == 0 and run is not None
     l3 = run["summary"]["l3"]
     assert l3.startswith("degraded since request "), l3
+    assert "No space left on device (injected)" in l3
+
+
+def test_backend_failing_only_in_the_final_flush_is_reported(
+    tmp_path, monkeypatch, single_rank_group
+):
+    # The writes the flush after the last request waits for fail: no request's
+    # progress call saw L3 degraded, the summary still says why.
+    flushing = threading.Event()
+    real_put, real_flush = FileStorage.put, HiCache.flush
+    calls = {"n": 0}
+
+    def put(self, keys, src):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            return real_put(self, keys, src)
+        assert flushing.wait(60), "the flush never started"
+        raise OSError(28, "No space left on device (injected)")
+
+    def flush(self):
+        flushing.set()
+        return real_flush(self)
+
+    monkeypatch.setattr(FileStorage, "put", put)
+    monkeypatch.setattr(HiCache, "flush", flush)
+    code, run = _main(tmp_path, "--storage-root", str(tmp_path / "l3"), "--storage-retry-s", "1000")
+    assert code == 0 and run is not None and calls["n"] > 2
+    l3 = run["summary"]["l3"]
+    n = len(run["requests"])
+    assert l3.startswith(f"degraded since request {n} "), l3
     assert "No space left on device (injected)" in l3
 
 
