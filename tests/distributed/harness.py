@@ -38,7 +38,14 @@ _CTX: Any = None
 
 
 class RankFailure(AssertionError):
-    """A rank raised, died or timed out."""
+    """A rank raised, died or timed out.
+
+    ``after_up_s``: seconds from the first rank's report that it is up (its process
+    group built, so every rank got that far) until the failure was raised; None when no
+    rank came up. It bounds the harness's reaction without the start a loaded machine
+    slows."""
+
+    after_up_s: float | None = None
 
 
 def _context() -> Any:
@@ -198,6 +205,7 @@ def run_on_mesh(
     results: dict[int, Any] = {}
     failures: list[str] = []
     up: set[int] = set()
+    first_up: list[float] = []  # when each up report came, the first is the one used
     start_deadline = time.monotonic() + start_timeout
     deadline: float | None = None  # set once every rank is up
     pending = dict(enumerate(conns))
@@ -210,6 +218,7 @@ def run_on_mesh(
                 message = conn.recv_bytes()
                 if message == _UP:
                     up.add(rank)
+                    first_up.append(time.monotonic())
                     continue
                 del pending[rank]
                 status, _, coords, payload = pickle.loads(message)
@@ -255,5 +264,7 @@ def run_on_mesh(
             conn.close()
         del store
     if failures:
-        raise RankFailure(f"mesh {dict(zip(names, shape, strict=True))}: " + "\n".join(failures))
+        err = RankFailure(f"mesh {dict(zip(names, shape, strict=True))}: " + "\n".join(failures))
+        err.after_up_s = time.monotonic() - first_up[0] if first_up else None
+        raise err
     return [results[r] for r in range(world)]

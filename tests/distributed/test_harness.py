@@ -37,21 +37,25 @@ def test_runs_every_rank():
     assert out == [(0, (0, 0)), (1, (0, 1)), (2, (1, 0)), (3, (1, 1))]
 
 
+# The bounds below count from the ranks being up (RankFailure.after_up_s): starting them
+# is bounded by start_timeout and takes tens of seconds on a loaded 2-core machine.
+
+
 def test_rank_exception_fails_with_traceback_and_coords():
-    t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
         run_on_mesh((2,), _raise_on_rank_one, timeout=30)
     text = str(info.value)
     assert "boom from rank one" in text and "KeyError" in text
     assert "rank 1 {'tp': 1}" in text
-    assert time.monotonic() - t0 < 20, "a raising rank must not wait for the timeout"
+    up_s = info.value.after_up_s
+    assert up_s is not None and up_s < 20, "a raising rank must not wait for the timeout"
 
 
 def test_hanging_rank_fails_by_timeout():
-    t0 = time.monotonic()
-    with pytest.raises(RankFailure, match="timeout after 3s"):
+    with pytest.raises(RankFailure, match="timeout after 3s") as info:
         run_on_mesh((2,), _hang_on_rank_zero, timeout=3)
-    assert time.monotonic() - t0 < 15
+    up_s = info.value.after_up_s
+    assert up_s is not None and 3 <= up_s < 15, up_s
 
 
 def test_slow_start_has_its_own_bound():
