@@ -24,6 +24,14 @@ Each :meth:`Scheduler.run` loop iteration is one *step*, the same on every rank:
 Every decision derives from the trace, agreed cache results (match hits, allocations,
 ``finish_load``) and the agreed values of step 1, so the mesh stays in lockstep. The
 per-request logic is ``runtime.request_run.RequestRun``, the same as the sequential engine's.
+
+Online use (``runtime.server``): :meth:`Scheduler.open`, then per step any number of
+:meth:`Scheduler.submit` (an :class:`OnlineRequest`: a ready run and what to call when it
+ends) and :meth:`Scheduler.cancel`, then :meth:`Scheduler.step` while not
+:attr:`Scheduler.idle`; :meth:`Scheduler.close` at the end. Submitted requests join the
+waiting queue behind what is already there and share the steps above with trace turns;
+the caller keeps the mesh in lockstep by making the same calls in the same order on
+every rank. :meth:`Scheduler.run` is ``open`` + the trace as the source + ``close``.
 """
 
 from __future__ import annotations
@@ -66,11 +74,38 @@ class SchedulerConfig:
 MATCHED, LOADING, LOADED, RUNNING = "matched", "loading", "loaded", "running"
 
 
+@dataclass(frozen=True, slots=True)
+class OnlineRequest:
+    """A request handed to a running scheduler (:meth:`Scheduler.submit`)."""
+
+    key: int
+    """The caller's id of the request (for :meth:`Scheduler.cancel`); unique among the
+    requests in flight."""
+    run: RequestRun
+    """Its run, not matched yet (``Engine``'s ``RequestRun(...)``; ``on_token`` must
+    decide the same on every rank)."""
+    on_finish: Callable[[RequestResult], None]
+    """Called with its result after it was inserted and released (``request_id`` is
+    ``key``); not called for a cancelled request."""
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A request in the waiting queue: a trace turn or an online request."""
+
+    arrival: float
+    order: int
+    """Ties between equal arrivals: the trace's request_id, or the submission count."""
+    turn: Turn | None = None
+    online: OnlineRequest | None = None
+
+
 @dataclass(slots=True)
 class _Active:
     """An admitted request: its run and where it is."""
 
-    turn: Turn
+    turn: Turn | None
+    online: OnlineRequest | None
     run: RequestRun
     arrival_s: float
     phase: str
@@ -111,33 +146,87 @@ class Scheduler:
     ) -> list[RequestResult]:
         """Serve ``trace``; results in trace order (request_id order). Each turn's prompt
         is its session's history + its user tokens, so a session's turns run in order."""
-        self._t0 = time.perf_counter()
-        self._sessions: dict[int, deque[Turn]] = {}
+        self.open(progress)
         for turn in trace:
             self._sessions.setdefault(turn.session, deque()).append(turn)
+        for queue in self._sessions.values():
+            self._released.append((None, queue.popleft()))
+        try:
+            while not self.idle:
+                self.step()
+        finally:
+            self.close()
+        return [self._results[t.request_id] for t in trace]
+
+    def open(self, progress: Callable[[RequestResult], None] | None = None) -> None:
+        """Start serving: empty queues, the clock and the counters from zero. ``progress``
+        is called with each finished trace turn's result."""
+        self._t0 = time.perf_counter()
+        self._sessions: dict[int, deque[Turn]] = {}
         # Available turns (their session's previous turn finished): (arrival_s, turn).
         self._pending: list[tuple[float, Turn]] = []
         self._released: list[tuple[float | None, Turn]] = []
-        for queue in self._sessions.values():
-            self._released.append((None, queue.popleft()))
-        self._waiting: list[tuple[float, Turn]] = []
+        self._waiting: list[_Waiting] = []
         self._active: list[_Active] = []
         self._results: dict[int, RequestResult] = {}
         self._progress = progress
+        self._num_submitted = 0
         self.num_steps = self.num_agreements = self.num_waits = self.num_uncached = 0
-        try:
-            while self._released or self._pending or self._waiting or self._active:
-                self._step()
-        finally:
-            for a in self._active:
+
+    def close(self) -> None:
+        """Release every admitted request (idempotent; also after an error)."""
+        for a in self._active:
+            a.run.release()
+        self._active = []
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to serve: no request released, pending, waiting or admitted."""
+        return not (self._released or self._pending or self._waiting or self._active)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests waiting or admitted (not counting trace turns not yet arrived)."""
+        return len(self._waiting) + len(self._active)
+
+    @property
+    def num_running(self) -> int:
+        """Admitted requests (matched, holding or about to hold pages)."""
+        return len(self._active)
+
+    def submit(self, request: OnlineRequest) -> None:
+        """Queue ``request`` behind the waiting ones; admitted by the next :meth:`step`
+        when fewer than ``max_running`` are admitted. Collective in effect: call it in the
+        same order on every rank."""
+        self._num_submitted += 1
+        self._waiting.append(_Waiting(self._clock(), self._num_submitted, online=request))
+
+    def cancel(self, key: int) -> bool:
+        """Drop the online request ``key``: out of the waiting queue, or released if
+        admitted (collective: every rank cancels the same requests between the same
+        steps). False when no such request is in flight."""
+        for w in self._waiting:
+            if w.online is not None and w.online.key == key:
+                self._waiting.remove(w)
+                return True
+        for a in self._active:
+            if a.online is not None and a.online.key == key:
+                self._active.remove(a)
                 a.run.release()
-            self._active = []
-        return [self._results[t.request_id] for t in trace]
+                return True
+        return False
+
+    @property
+    def transfers_in_flight(self) -> bool:
+        """An admitted request may have an L3 prefetch or a host -> device load in flight
+        (matched or loading): the host pools hold reservations until it is loaded."""
+        return any(a.phase in (MATCHED, LOADING) for a in self._active)
 
     def _clock(self) -> float:
         return time.perf_counter() - self._t0
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One step of the module docstring (collective)."""
         self.num_steps += 1
         step = self.num_steps
         now, prefetched = self._agree(step)
@@ -211,14 +300,18 @@ class Scheduler:
             (due if not self.config.realtime or p[0] <= now else later).append(p)
         if due:
             self._pending = later
-            self._waiting.extend(due)
-            self._waiting.sort(key=lambda p: (p[0], p[1].request_id))
+            self._waiting.extend(_Waiting(arrival, t.request_id, turn=t) for arrival, t in due)
+            self._waiting.sort(key=lambda w: (w.arrival, w.order))
 
     def _admit(self, step: int) -> None:
         while self._waiting and len(self._active) < self.config.max_running:
-            arrival, turn = self._waiting.pop(0)
-            run = self.engine.start(turn)
-            self._active.append(_Active(turn, run, arrival, MATCHED, step))
+            w = self._waiting.pop(0)
+            if w.online is not None:
+                run = w.online.run
+            else:
+                assert w.turn is not None
+                run = self.engine.start(w.turn)
+            self._active.append(_Active(w.turn, w.online, run, w.arrival, MATCHED, step))
             run.match()
             if not run.has_storage_hit:
                 # Nothing to prefetch: it may load in this very step.
@@ -263,7 +356,12 @@ class Scheduler:
     def _finish(self, a: _Active) -> None:
         self._active.remove(a)
         try:
-            result = self.engine.finish(a.turn, a.run)
+            if a.turn is not None:
+                result = self.engine.finish(a.turn, a.run)
+            else:
+                assert a.online is not None
+                result = a.run.finish()
+                result.request_id = a.online.key
         finally:
             a.run.release()
         result.arrival_s = a.arrival_s
@@ -271,6 +369,10 @@ class Scheduler:
         result.finish_s = self._clock()
         result.ttft_s = result.first_token_s - result.arrival_s
         result.decode_s = result.finish_s - result.first_token_s
+        if a.online is not None:
+            a.online.on_finish(result)
+            return
+        assert a.turn is not None
         self._results[a.turn.request_id] = result
         queue = self._sessions[a.turn.session]
         if queue:
