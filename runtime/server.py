@@ -19,11 +19,16 @@ reports ``prompt_tokens_details.cached_tokens``: the prompt tokens the cache ser
 Text in and out needs the checkpoint's ``tokenizer.json``; chat uses its chat template
 (see ``runtime/server_text.py``, also for the presets, which take token ids).
 
-Requests are served one at a time in arrival order by one engine thread
-(``runtime/server_worker.py``: the queue is the place a batching scheduler plugs in);
-the HTTP loop stays responsive meanwhile. On a mesh, rank 0 serves HTTP and broadcasts
-every request, so all ranks run the same sequence. A client that disconnects has its
-request dropped from the queue or aborted at the next token, and released.
+Concurrent requests are served in one running batch (``--concurrency N``, default 8):
+one engine thread (``runtime/server_batch.py``) takes jobs from the queue in arrival
+order while fewer than N are in flight and runs ``runtime.scheduler.Scheduler``'s steps
+over them (chunked prefill under ``--token-budget`` beside one batched decode of every
+running request), streaming each request's tokens as they come. ``--concurrency 1``
+serves one request at a time (``runtime/server_worker.py``). The HTTP loop stays
+responsive meanwhile. On a mesh, rank 0 serves HTTP and decides, once per step, which
+jobs join and which are aborted; it broadcasts that, so every rank runs the same steps.
+A client that disconnects has its request dropped from the queue or aborted at the next
+step, and released.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ from mesh_hicache.topology import MeshTopology
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine
 from runtime.launch import LaunchError, exit_process, init_mesh, mesh_failure
+from runtime.scheduler import SchedulerConfig
 from runtime.server_api import Reply, RequestParams, error_response, prometheus_text, send_event
+from runtime.server_batch import BatchWorker, follow_batched
 from runtime.server_text import StreamDecoder, TextCodec
 from runtime.server_worker import (
     EngineWorker,
@@ -73,6 +80,8 @@ _TRACE_ONLY = (
     "dump_logits",
     "log_every",
     "quiet",
+    "request_rate",
+    "think_s",
 )
 
 
@@ -87,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = argparse.SUPPRESS
         elif action.dest == "max_new_tokens":
             action.help = "max_tokens of a request that does not set it"
+        elif action.dest == "concurrency":
+            action.default = 8
+            action.help = (
+                "most requests in flight, served in one running batch by runtime.scheduler "
+                "(continuous batching); 1: one request at a time (Engine.serve)"
+            )
+        elif action.dest == "token_budget":
+            action.help = "prefill tokens per scheduler step beside the batched decode"
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one)")
     p.add_argument(
@@ -136,7 +153,13 @@ class Server:
         )
         self.queue = FifoQueue()
         self.counters = ServerCounters()
-        self.worker: EngineWorker | None = None
+        # --concurrency 1: one request at a time (EngineWorker); more: one running batch.
+        self.batching: SchedulerConfig | None = None
+        if args.concurrency > 1:
+            self.batching = SchedulerConfig(
+                max_running=args.concurrency, token_budget=args.token_budget
+            )
+        self.worker: EngineWorker | BatchWorker | None = None
         self.created = int(time.time())
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -144,7 +167,14 @@ class Server:
     def start_worker(self) -> None:
         """Start rank 0's engine thread."""
         heartbeat = min(5.0, self.args.collective_timeout_s / 4)
-        self.worker = EngineWorker(self.engine, self.queue, self.group, heartbeat, self.counters)
+        if self.batching is not None:
+            self.worker = BatchWorker(
+                self.engine, self.queue, self.group, heartbeat, self.counters, self.batching
+            )
+        else:
+            self.worker = EngineWorker(
+                self.engine, self.queue, self.group, heartbeat, self.counters
+            )
         self.worker.start()
 
     def follow(self) -> None:
@@ -154,7 +184,10 @@ class Server:
         # (torchrun forwards SIGTERM to every rank).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        follow(self.engine, self.group)
+        if self.batching is not None:
+            follow_batched(self.engine, self.group, self.batching)
+        else:
+            follow(self.engine, self.group)
 
     def close(self) -> None:
         """Stop the engine thread after the queued jobs, flush and close the cache."""

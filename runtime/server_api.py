@@ -145,6 +145,11 @@ def prometheus_text(server: Server) -> bytes:
                 "mesh_hicache_server_running", "Requests in the engine.", value=counts["running"]
             )
             yield GaugeMetricFamily(
+                "mesh_hicache_server_peak_running",
+                "Most requests admitted at once (in one running batch) so far.",
+                value=counts["peak_running"],
+            )
+            yield GaugeMetricFamily(
                 "mesh_hicache_server_queued", "Requests waiting for the engine.", value=queued
             )
 

@@ -1,11 +1,11 @@
-"""The engine side of ``runtime.server``: a request queue and one engine thread.
+"""The engine side of ``runtime.server``: a request queue and, with ``--concurrency 1``,
+the engine thread that serves one request at a time.
 
 The HTTP loop never touches the model or the cache. It puts a :class:`Job` on a
-:class:`RequestQueue` and awaits the job's events; one :class:`EngineWorker` thread on
-rank 0 takes jobs in queue order and runs each through the engine, so the engine sees
-one request at a time, as ``runtime.engine`` requires today. The queue is an interface
-(``put`` / ``get`` / ``__len__``): a batching scheduler can replace :class:`FifoQueue`
-without touching the HTTP side.
+:class:`RequestQueue` and awaits the job's events; one engine thread on rank 0 takes
+jobs in queue order: :class:`EngineWorker` (here) runs each through ``Engine.serve``, one
+at a time; ``runtime.server_batch.BatchWorker`` (``--concurrency N > 1``) serves up to N
+in one running batch. The queue is an interface (``put`` / ``get`` / ``__len__``).
 
 On a mesh, every rank must run the identical sequence of requests (the model and the
 cache are collective). Rank 0 broadcasts each job's tokens over a gloo group of the
@@ -57,7 +57,7 @@ class Job:
     ``("done", JobOutcome)`` or ``("error", message)``. Generation ends after
     ``max_new_tokens`` or at ``eos_token_id`` (included in the output; None: never).
     ``cancel()`` may be called from any thread; a cancelled job still queued is dropped,
-    a running one is aborted after the next token."""
+    a running one is aborted after the next token (batched: at the next step)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -190,6 +190,7 @@ class ServerCounters:
         self.completion_tokens = 0
         self.integrity_errors = 0
         self.running = 0
+        self.peak_running = 0
         self.warned_l1 = False
 
     def as_dict(self) -> dict[str, int]:
@@ -239,6 +240,7 @@ class EngineWorker(threading.Thread):
         )
         with self.counters.lock:
             self.counters.running += 1
+            self.counters.peak_running = max(self.counters.peak_running, 1)
         try:
             outcome = serve_one(self.engine, job.prompt, job.max_new_tokens, self.counters, hook)
         except ValueError as err:
@@ -263,23 +265,7 @@ def serve_one(
     ``on_token``; an abort releases it, and the cache's integrity is checked after every
     abort (a failure is counted and logged). A request L1 cannot hold is served
     uncached, with one warning per server."""
-    cache = engine.cache
-    if cache is not None and too_long_for_l1(
-        len(prompt) + max_new_tokens, cache.page_size, cache.device.max_pages
-    ):
-        with counters.lock:
-            first = not counters.warned_l1
-            counters.warned_l1 = True
-        if first:
-            log.warning(
-                "runtime.server: warning: a request of %d tokens (prompt + max_tokens) does "
-                "not fit L1 (--device-pages %d x --page-size %d): served uncached; raise "
-                "--device-pages to at least %d (further ones are counted as uncached)",
-                len(prompt) + max_new_tokens,
-                cache.device.max_pages,
-                cache.page_size,
-                pages_needed(len(prompt) + max_new_tokens, cache.page_size),
-            )
+    warn_if_too_long_for_l1(engine, len(prompt) + max_new_tokens, counters)
     try:
         result = engine.serve(prompt, max_new_tokens=max_new_tokens, on_token=on_token)
     except Aborted:
@@ -301,6 +287,27 @@ def serve_one(
         counters.completion_tokens += len(result.output_ids)
         counters.uncached += int(result.cached == 0)
     return JobOutcome(result.output_ids, result.cached, False, result)
+
+
+def warn_if_too_long_for_l1(engine: Engine, num_tokens: int, counters: ServerCounters) -> None:
+    """Warn once per server when a request of ``num_tokens`` (prompt + max_tokens) does
+    not fit L1: it is served uncached."""
+    cache = engine.cache
+    if cache is None or not too_long_for_l1(num_tokens, cache.page_size, cache.device.max_pages):
+        return
+    with counters.lock:
+        first = not counters.warned_l1
+        counters.warned_l1 = True
+    if first:
+        log.warning(
+            "runtime.server: warning: a request of %d tokens (prompt + max_tokens) does "
+            "not fit L1 (--device-pages %d x --page-size %d): served uncached; raise "
+            "--device-pages to at least %d (further ones are counted as uncached)",
+            num_tokens,
+            cache.device.max_pages,
+            cache.page_size,
+            pages_needed(num_tokens, cache.page_size),
+        )
 
 
 def follow(engine: Engine, group: dist.ProcessGroup) -> None:

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,47 @@ def test_two_rank_mesh_broadcasts_requests_and_aborts(tmp_path: Path, reference)
         server.stop()  # torchrun's own exit code after SIGTERM is its signal's
     log = "".join(server.lines)
     assert "2 requests served (2 uncached), 1 aborted" in log, log
+
+
+def test_two_rank_mesh_batches_concurrent_requests_in_lockstep(tmp_path: Path, reference) -> None:
+    """tp 2 with --concurrency 4: concurrent clients (different prompts and lengths, one
+    that goes away mid-stream) get the one-rank sequential answers."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip(f"needs torchrun beside {sys.executable}")
+    server = Process(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "runtime.server"]
+        + ["--model", "tiny", "--tp", "2", "--cache", "host", "--port", "0"]
+        + ["--concurrency", "4", "--token-budget", "16", "--collective-timeout-s", "20"],
+        tmp_path,
+    )
+    asks = [(PROMPT, 5), (PROMPT[::-1], 3), (PROMPT[5:30], 7), (PROMPT[:12] * 2, 4)]
+    asks += [(PROMPT[3:], 6), (PROMPT[::2], 2)]
+    try:
+        stream = server.client().completions.create(
+            model="tiny", prompt=PROMPT[:20], max_tokens=400, stream=True
+        )
+
+        def ask(item: tuple[list[int], int]) -> list[int]:
+            ids, n = item
+            out = server.client().completions.create(model="tiny", prompt=ids, max_tokens=n)
+            return out.choices[0].token_ids
+
+        with ThreadPoolExecutor(len(asks)) as pool:
+            futures = [pool.submit(ask, item) for item in asks]
+            next(iter(stream))
+            stream.close()
+            answers = [f.result() for f in futures]
+        assert answers == [reference(ids, n) for ids, n in asks]
+        deadline = time.monotonic() + 60
+        while _counter(server.metrics(), "mesh_hicache_server_aborted_total") < 1:
+            assert time.monotonic() < deadline, "the abort never happened"
+            time.sleep(0.1)
+        assert _counter(server.metrics(), "mesh_hicache_server_integrity_errors_total") == 0
+    finally:
+        server.stop()
+    log = "".join(server.lines)
+    assert f"{len(asks)} requests served" in log and "1 aborted" in log, log
 
 
 def test_unusable_storage_root_is_an_error_before_listening(tmp_path: Path) -> None:
