@@ -227,5 +227,9 @@ def test_help_names_the_http_flags_with_defaults_and_hides_trace_flags() -> None
     text = parser.format_help()
     assert "--port" in text and "(default: 8000)" in text and "(default: 127.0.0.1)" in text
     assert "--workload" not in text and "--sessions" not in text and "--json" not in text
+    assert "--request-rate" not in text and "--think-s" not in text
+    concurrency = next(a for a in parser._actions if a.dest == "concurrency")
+    assert concurrency.default == 8 and "one running batch" in (concurrency.help or "")
+    assert "--token-budget" in text
     assert [a.dest for a in parser._actions if not a.help] == []
     assert parser.prog == "runtime.server"
