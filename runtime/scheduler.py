@@ -197,7 +197,9 @@ class Scheduler:
     def submit(self, request: OnlineRequest) -> None:
         """Queue ``request`` behind the waiting ones; admitted by the next :meth:`step`
         when fewer than ``max_running`` are admitted. Collective in effect: call it in the
-        same order on every rank."""
+        same order on every rank. Its arrival (reports, and the order among trace turns
+        that arrive later) is this rank's clock: on a mesh, do not mix online requests
+        with a trace, whose arrivals re-sort the queue."""
         self._num_submitted += 1
         self._waiting.append(_Waiting(self._clock(), self._num_submitted, online=request))
 
