@@ -557,3 +557,61 @@ def test_generation_stops_at_the_end_of_sequence_token(
         small.server.cache.check_integrity()
     finally:
         small.close()
+
+
+def test_a_job_beyond_concurrency_stays_queued_and_a_disconnect_drops_it(
+    checkpoint, one_rank_topology, reference
+) -> None:
+    """--concurrency 2 with two running: a third request waits in the queue (/metrics
+    queued 1); its client goes away, so it is dropped there, never served or aborted."""
+    argv = ["--model", str(checkpoint), "--page-size", "4", "--device-pages", "64"]
+    argv += ["--cache", "host", "--max-new-tokens", "6", "--concurrency", "2"]
+    small = LiveServer(argv, one_rank_topology)
+    try:
+        _queued_then_dropped(small, checkpoint, reference)
+    finally:
+        small.close()
+
+
+def _queued_then_dropped(small, checkpoint, reference) -> None:
+    gate = DecodeGate(small.server.engine.model)
+    pool = ThreadPoolExecutor(2)
+    prompts = ["hello w25 world w26", "the w35 cache w36 is"]
+
+    def ask(prompt: str) -> list[int]:
+        out = small.client().completions.create(model=small.server.name, prompt=prompt)
+        return out.choices[0].token_ids
+
+    try:
+        first, go_first = gate.arm(lambda n: True)
+        futures = [pool.submit(ask, p) for p in prompts]
+        _wait(first, "no request reached a decode")
+        _wait_for(lambda: _in_server(small) == 2, "the requests never arrived")
+        together, go_together = gate.arm(lambda n: n == 2)
+        go_first.set()
+        _wait(together, "the two were never decoded in one batch")
+        stream = small.client().completions.create(
+            model=small.server.name, prompt="warm w45 is", max_tokens=50, stream=True
+        )
+        # The engine is mid-step with two in flight: the third waits in the queue.
+        assert small.metric("mesh_hicache_server_queued") == 1
+        assert small.metric("mesh_hicache_server_running") == 2
+        stream.close()
+        queued = small.server.queue._items  # the test reads the queue's deque
+        _wait_for(
+            lambda: any(j is not None and j.cancelled.is_set() for j in list(queued)),
+            "the server never saw the disconnect",
+        )
+        go_together.set()
+        answers = [f.result() for f in futures]
+    finally:
+        gate.remove()
+        pool.shutdown()
+    assert answers == [reference(_encode(checkpoint, p), 6) for p in prompts]
+    small.wait_idle()
+    assert small.metric("mesh_hicache_server_requests_total") == 2
+    assert small.metric("mesh_hicache_server_aborted_total") == 0
+    served = sum(len(a) for a in answers)
+    assert small.metric("mesh_hicache_server_completion_tokens_total") == served
+    assert small.server.cache is not None
+    small.server.cache.check_integrity()
