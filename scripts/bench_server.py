@@ -44,22 +44,13 @@ import bench_common
 from bench_common import Column
 from bench_server_client import Conversation, RequestRecord, ServerProcess, run_clients
 
+from runtime.serve import percentile
+
 RATIO_METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s")
 """Metrics compared B over A (for the TTFT ones, below 1 is better)."""
 
 
 # -- pure pieces (unit-tested) ---------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-quantile (0..1) by linear interpolation; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def make_conversations(
