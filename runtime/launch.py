@@ -34,6 +34,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from mesh_hicache.topology import AXIS_ORDER, MeshTopology
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 300.0
+"""How far apart the ranks of one launch may arrive (imports are slow on a loaded
+machine); the collectives after that keep ``--collective-timeout-s``."""
 """Seconds a collective may wait for a peer before the rank gives up (torch: 30 min)."""
 SECRET_FILE_ENV = "MESH_HICACHE_STORAGE_SECRET_FILE"
 """Environment variable naming the storage secret file (``--storage-secret-file``)."""
@@ -163,7 +166,7 @@ def init_mesh(
     c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            _join_world(backend, timeout)
         else:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -171,6 +174,28 @@ def init_mesh(
     names = tuple(a.value for a in AXIS_ORDER)
     mesh = init_device_mesh(device_type, (pp, cp, tp), mesh_dim_names=names)
     return MeshTopology.from_mesh(mesh)
+
+
+def _join_world(backend: str, timeout: timedelta) -> None:
+    """The default group of an env:// launch (torchrun), once every rank arrived: each
+    waits up to ``STARTUP_TIMEOUT_S`` for the others, then the group's collectives get
+    ``timeout``. (Joining with ``timeout`` alone failed a rank whose peer was still
+    importing on a loaded machine: gloo's connect waits that long for the peer.)"""
+    startup = timedelta(seconds=STARTUP_TIMEOUT_S)
+    store, rank, world = next(dist.rendezvous("env://", timeout=startup))
+    store.set_timeout(startup)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    keys = [f"mesh_hicache/{attempt}/arrived/{r}" for r in range(world)]
+    store.set(keys[rank], "1")
+    store.wait(keys)  # a DistStoreError naming the missing ranks after ``startup``
+    store.set_timeout(timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -50,6 +50,26 @@ def test_torchrun_prints_distinct_coordinates():
     assert sorted(triples) == [("0", "0", "0"), ("0", "0", "1"), ("1", "0", "0"), ("1", "0", "1")]
 
 
+def test_a_rank_arriving_late_is_not_read_as_a_collective_timeout(tmp_path):
+    # Rank 1 starts 6 s after rank 0, three times --collective-timeout-s 2: the start has
+    # its own bound (STARTUP_TIMEOUT_S), the collectives after it keep the short one.
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed beside this interpreter")
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(6)\n"
+        "from runtime.launch import exit_process, main\n"
+        "exit_process(main(['--tp', '2', '--collective-timeout-s', '2']))\n"
+    )
+    proc = _run(torchrun, "--nproc-per-node", "2", "--standalone", str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert len(re.findall(r"\(pp, cp, tp\) = ", proc.stdout)) == 2
+
+
 def test_nonpositive_collective_timeout_is_a_clear_error():
     proc = _run(sys.executable, "-m", "runtime.launch", "--collective-timeout-s", "0")
     assert proc.returncode == 2 and "--collective-timeout-s must be > 0" in proc.stderr
