@@ -4,7 +4,8 @@ Contract, shared by all backends:
 
 - Keys are ``StorageKey`` objects (``keys.py``); a backend stores one object per key,
   in the object format of ``keys.py`` (header with key digest, length and checksum,
-  then the payload), and re-checks every key string with ``check_key_str``.
+  then the payload), under the name ``key_str`` gives (re-checked with
+  ``check_key_str``; derived with the secret when one is set).
 - Every backend takes ``secret`` / ``secret_file`` (see ``load_secret``) and encodes and
   checks objects with ``self.codec``: with a secret, objects carry a keyed MAC and an
   object that does not verify under this secret is a miss (kind "mac"/"unsealed").
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mesh_hicache.storage.keys import ObjectCodec, StorageKey
+from mesh_hicache.storage.keys import ObjectCodec, StorageKey, check_key_str
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,11 @@ class StorageStats:
     """``put`` calls among ``errors`` (backups lost to a raising backend)."""
     skipped: int = 0
     """Calls answered as a miss/False without touching the backend while degraded."""
+    unreadable: int = 0
+    """Objects that exist but could not be opened or read (permission, I/O error): each
+    a miss of that object alone (a subset of ``get_misses``); the tier stays up."""
+    unreadable_by_kind: dict[str, int] = field(default_factory=dict)
+    """``unreadable`` split by errno name (``"EACCES"``, ``"EIO"``, ...)."""
     unsafe: int = 0
     """Entries refused without being read or written: a symlink or a non-regular file
     where an object or directory should be (file backend). Each is a miss or a drop."""
@@ -83,6 +90,7 @@ class StorageStats:
         return dataclasses.replace(
             self,
             corrupt_by_kind=dict(self.corrupt_by_kind),
+            unreadable_by_kind=dict(self.unreadable_by_kind),
             errors_by_kind=dict(self.errors_by_kind),
         )
 
@@ -192,6 +200,12 @@ class StorageBackend(abc.ABC):
 
     # -- derived helpers -------------------------------------------------------------------
 
+    def key_str(self, key: StorageKey) -> str:
+        """The checked name this backend stores ``key`` under: ``key.to_str()``, with the
+        namespace and page hash replaced by digests keyed with the storage secret when
+        one is set (``StorageKey.to_str``), so each secret is a trust domain of its own."""
+        return check_key_str(key.to_str(self.codec.name_key))
+
     def exists_one(self, key: StorageKey) -> bool:
         """True if the object of ``key`` exists (see ``exists``)."""
         return self.exists([key]) == 1
@@ -234,6 +248,27 @@ class StorageBackend(abc.ABC):
                 kind,
                 detail,
                 key,
+                kind,
+            )
+
+    def _record_unreadable(self, err: OSError, key: str) -> None:
+        """Count an object that exists but cannot be read as a miss of it alone; warn the
+        first time per errno."""
+        kind = errno.errorcode.get(err.errno or 0, type(err).__name__)
+        with self._stats_lock:
+            self._stats.unreadable += 1
+            self._stats.get_misses += 1
+            by_kind = self._stats.unreadable_by_kind
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+            first = f"unreadable:{kind}" not in self._warned_kinds
+            self._warned_kinds.add(f"unreadable:{kind}")
+        if first:
+            logger.warning(
+                "%s: object %s cannot be read (%s) and is treated as a miss; further %s "
+                "objects are only counted in stats",
+                type(self).__name__,
+                key,
+                err,
                 kind,
             )
 

@@ -8,8 +8,12 @@ Chunks are whole last-dim vectors of the row written (``objects.chunk_bytes_for`
 
 - Writes are atomic: a temp file (``.tmp-*``, never a valid key name) in the target
   directory, then a rename. Readers see a whole object or none. A crashed writer leaves
-  only a temp file, which readers ignore; every open of a root removes temp files whose
-  writer process is gone (same host) or that are older than ``stale_tmp_s``.
+  only a temp file, which readers ignore; every open of a root removes temp files of
+  ours whose writer process is gone (same host, boot and pid namespace) or that are
+  older than ``stale_tmp_s`` (``file_tree.py``; other programs' files are never touched).
+- One object never disables the tier: an object a reader cannot check is a miss left in
+  place, a damaged one a miss that is removed (``objects.REMOVABLE_KINDS``), one that
+  cannot be opened or read a miss counted in ``stats.unreadable``.
 - Keys cannot escape the root, even while someone else rewrites the tree: the key string
   is re-checked against the grammar, the root is held open as a directory descriptor,
   and every key is resolved from it one component at a time with ``O_NOFOLLOW``
@@ -41,9 +45,10 @@ from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
 from mesh_hicache.storage.file_cap import RecencyCap
 from mesh_hicache.storage.file_read import GAP_BYTES, read_ranges, read_whole
 from mesh_hicache.storage.file_tree import scan_tree, temp_names
-from mesh_hicache.storage.keys import StorageKey, check_key_str
+from mesh_hicache.storage.keys import StorageKey
 from mesh_hicache.storage.objects import (
     HEADER_SIZE,
+    REMOVABLE_KINDS,
     ObjectError,
     chunk_bytes_for,
     table_size,
@@ -155,7 +160,7 @@ class FileStorage(StorageBackend):
     def object_path(self, key: StorageKey) -> Path:
         """Where the file of ``key`` lives (for inspection; this backend never opens it by
         path). ValueError if the key string is malformed."""
-        return self._root / check_key_str(key.to_str())
+        return self._root / self.key_str(key)
 
     # -- interface -------------------------------------------------------------------------
 
@@ -171,7 +176,7 @@ class FileStorage(StorageBackend):
             return [self._exists_one(dirs, key) for key in keys]
 
     def _exists_one(self, dirs: DirCache, key: StorageKey) -> bool:
-        dir_parts, name = _split(check_key_str(key.to_str()))
+        dir_parts, name = _split(self.key_str(key))
         try:
             d = dirs.get(dir_parts, create=False)
             if d is None:
@@ -247,7 +252,7 @@ class FileStorage(StorageBackend):
         ranges: Sequence[tuple[int, int]] | None,
     ) -> bool:
         """Read one object (``ranges`` None: whole) into ``dst``; False on a miss."""
-        key_str = check_key_str(key.to_str())
+        key_str = self.key_str(key)
         view = tensor_bytes(dst)
         dir_parts, name = _split(key_str)
         try:
@@ -256,11 +261,14 @@ class FileStorage(StorageBackend):
                 raise FileNotFoundError(key_str)
             try:
                 fd = os.open(name, FILE_READ_FLAGS, dir_fd=d)
+            except FileNotFoundError:
+                raise
             except OSError as err:
                 bad = refused(err, d, name, os.path.join(self._root_str, key_str))
                 if bad is not None:
                     raise bad from None
-                raise
+                self._record_unreadable(err, key_str)  # this object only: a miss
+                return False
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 os.close(fd)
@@ -279,7 +287,12 @@ class FileStorage(StorageBackend):
         except ObjectError as err:
             os.close(fd)
             self._record_corrupt(err.kind, key_str, str(err))
-            self._remove_bad(d, name, st)
+            if err.kind in REMOVABLE_KINDS:
+                self._remove_bad(d, name, st)
+            return False
+        except OSError as err:  # EIO and the like on this object's bytes: a miss
+            os.close(fd)
+            self._record_unreadable(err, key_str)
             return False
         except BaseException:
             os.close(fd)
@@ -290,7 +303,7 @@ class FileStorage(StorageBackend):
         return True
 
     def _put_one(self, dirs: DirCache, key: StorageKey, src: torch.Tensor) -> bool:
-        key_str = check_key_str(key.to_str())
+        key_str = self.key_str(key)
         view = tensor_bytes(src)
         chunk = self._chunk_bytes(src)
         size = HEADER_SIZE + view.nbytes

@@ -67,7 +67,7 @@ class RecencyCap:
     def scan(self, root_fd: int) -> tuple[list[tuple[int, str, int]], int]:
         """All objects as ``(atime_ns, relative path, size)`` and their total size; removes
         stale temp files (``file_tree.scan_tree``)."""
-        return scan_tree(root_fd, self._stale_tmp_ns)
+        return scan_tree(root_fd, self._stale_tmp_ns, self._clock())
 
     def enforce(self, root_fd: int, dirs: Callable[[], DirCache], *, force: bool) -> int:
         """Rescan and evict when due (always with ``force``); returns the objects evicted.

@@ -17,6 +17,7 @@ from mesh_hicache.storage.objects import (
     ObjectCodec,
     ObjectError,
     ObjectHeader,
+    check_object_size,
 )
 
 GAP_BYTES = 4096
@@ -31,6 +32,7 @@ def _head_and_table(
 ) -> tuple[ObjectHeader, ChunkTable | None, int]:
     """The checked header, the checked chunk table (None for format version 1) and the
     payload's offset in the file, from one ``pread`` of everything before the payload."""
+    check_object_size(size, view.nbytes)
     start = max(size - view.nbytes, HEADER_SIZE)
     data = os.pread(fd, start, 0)
     header = codec.decode_header(key, data[:HEADER_SIZE])
@@ -60,6 +62,7 @@ def read_whole(fd: int, size: int, codec: ObjectCodec, key: str, view: memoryvie
     """Read and check the whole object open as ``fd`` (``size`` bytes on disk): header,
     (format version 2) the chunk table and the payload into ``view``, in one ``preadv``;
     returns the payload bytes read."""
+    check_object_size(size, view.nbytes)
     extra = size - HEADER_SIZE - view.nbytes
     head, table = bytearray(HEADER_SIZE), bytearray(max(extra, 0))
     got = os.preadv(fd, [head, table, view], 0)

@@ -183,6 +183,7 @@ class GuardedStorage(StorageBackend):
             get_misses=inner.get_misses + own.get_misses,
             gets=inner.gets + own.gets,
             corrupt_by_kind=dict(inner.corrupt_by_kind),
+            unreadable_by_kind=dict(inner.unreadable_by_kind),
         )
 
     # -- the guard -------------------------------------------------------------------------

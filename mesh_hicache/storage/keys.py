@@ -50,6 +50,7 @@ __all__ = [
     "CORRUPT_KINDS",
     "FLAG_MAC",
     "HEADER_SIZE",
+    "KEY_DIR_PATTERN",
     "KEY_PATTERN",
     "KEY_SCHEMA_VERSION",
     "MAX_PAGE_HASH_BYTES",
@@ -89,6 +90,8 @@ KEY_PATTERN = re.compile(
 )
 """Full grammar of a key string (use with ``fullmatch``). No '/' beyond the separators,
 no '.' except inside the slice tag, never '..'."""
+KEY_DIR_PATTERN = re.compile(KEY_PATTERN.pattern.rsplit("/", 1)[0])
+"""Grammar of the directory of a key (a key string without its slice tag)."""
 
 
 def _check_str(owner: str, name: str, value: object, *, allow_empty: bool) -> str:
@@ -198,12 +201,28 @@ class StorageKey:
         _check_range("heads", self.slice.heads)
         _check_range("tokens", self.slice.tokens)
 
-    def to_str(self) -> str:
-        """The versioned key string; also a safe relative path (see ``KEY_PATTERN``)."""
-        key = (
-            f"v{KEY_SCHEMA_VERSION}/{self.namespace.digest()}/{self.region}/"
-            f"{self.page_hash.hex()}/{self.slice.tag()}"
-        )
+    def to_str(self, name_key: bytes | None = None) -> str:
+        """The versioned key string; also a safe relative path (see ``KEY_PATTERN``).
+
+        ``name_key`` (a backend's ``codec.name_key``, derived from its storage secret)
+        replaces the namespace digest and the page hash by keyed digests of them, so
+        without the secret nobody can tell which prefixes are stored, read them, or
+        write, overwrite or remove an object under a name this secret's readers use.
+        The grammar and the lengths stay the same.
+        """
+        ns, page = self.namespace.digest(), self.page_hash
+        if name_key is not None:
+            ns = hashlib.blake2b(
+                ns.encode(), key=name_key, digest_size=_NAMESPACE_DIGEST_BYTES, person=b"mhc-ns"
+            ).hexdigest()
+            page = hashlib.blake2b(
+                page,
+                key=name_key,
+                digest_size=len(page),
+                salt=bytes.fromhex(ns)[:16],
+                person=b"mhc-page",
+            ).digest()
+        key = f"v{KEY_SCHEMA_VERSION}/{ns}/{self.region}/{page.hex()}/{self.slice.tag()}"
         assert KEY_PATTERN.fullmatch(key), key
         return key
 

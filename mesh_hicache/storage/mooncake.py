@@ -26,7 +26,11 @@ Failure policy (the serving path must never fail or stall because of L3):
   ``GuardedStorage`` turns into degraded mode (L1 + L2 only). While the master is
   unreachable each call first probes its TCP port and raises at once, instead of
   waiting seconds inside the Mooncake client; once the port answers, calls go through
-  again and the Mooncake client reconnects by itself.
+  again and the Mooncake client reconnects by itself;
+- a master that accepts connections but does not answer (stopped, overloaded): every
+  call into the client has a deadline (``call_timeout_s``, ``deadline.py``); past it
+  the call raises ``StoreTimeout`` and ``GuardedStorage`` degrades as for a lost
+  master, then retries.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from typing import Any
 import torch
 
 from mesh_hicache.storage.base import StorageBackend, check_batch, load_secret
-from mesh_hicache.storage.keys import StorageKey, check_key_str
+from mesh_hicache.storage.deadline import Deadline
+from mesh_hicache.storage.keys import StorageKey
 from mesh_hicache.storage.mooncake_ranges import RangedGets, table_region
 from mesh_hicache.storage.objects import (
     HEADER_SIZE,
@@ -115,7 +120,8 @@ class MooncakeStorage(RangedGets, StorageBackend):
     processes and survive this process; objects placed in a contributed segment vanish
     when this process exits. ``local_buffer_size`` is Mooncake's own staging buffer
     (bytes), used only by its non-zero-copy calls. ``probe_timeout_s`` bounds the TCP
-    probe of the master while it is unreachable. ``secret`` / ``secret_file`` seal
+    probe of the master while it is unreachable; ``call_timeout_s`` bounds every call into
+    the Mooncake client (set-up included). ``secret`` / ``secret_file`` seal
     objects with a keyed MAC (``base.load_secret``), as in every backend.
 
     Raises ``MooncakeUnavailable`` when the store cannot be set up (master down) and
@@ -133,6 +139,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
         local_buffer_size: int = 16 << 20,
         rdma_devices: str = "",
         probe_timeout_s: float = 0.5,
+        call_timeout_s: float = 30.0,
         secret: bytes | str | None = None,
         secret_file: str | None = None,
     ) -> None:
@@ -147,6 +154,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
                 raise ValueError(f"MooncakeStorage {name} must be an int >= 0, got {value!r}")
         if not probe_timeout_s > 0:
             raise ValueError(f"MooncakeStorage probe_timeout_s must be > 0, got {probe_timeout_s}")
+        self._deadline = Deadline(call_timeout_s, f"Mooncake master {master_address}")
         self._master = _parse_address(master_address)
         self._master_address = master_address
         self._probe_timeout_s = float(probe_timeout_s)
@@ -164,7 +172,9 @@ class MooncakeStorage(RangedGets, StorageBackend):
         # setup() against a dead master retries for a long time: fail fast instead.
         self._probe_master()
         self._store: Any = MooncakeDistributedStore()
-        rc = self._store.setup(
+        rc = self._deadline.run(
+            "setup",
+            self._store.setup,
             local_hostname,
             metadata_server,
             global_segment_size,
@@ -204,7 +214,9 @@ class MooncakeStorage(RangedGets, StorageBackend):
             return
         with self._lock:
             self._check_open()
-            rc = self._store.register_buffer(buffer.data_ptr(), nbytes)
+            rc = self._deadline.run(
+                "register_buffer", self._store.register_buffer, buffer.data_ptr(), nbytes
+            )
             if rc != 0:
                 raise MooncakeUnavailable(f"Mooncake register_buffer failed with {rc}")
             # Keep the tensor alive: the store holds its address.
@@ -217,7 +229,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
     def exists_each(self, keys: Sequence[StorageKey]) -> list[bool]:
         if not keys:
             return []
-        names = [check_key_str(k.to_str()) for k in keys]
+        names = [self.key_str(k) for k in keys]
         with self._lock:
             codes = self._call("batch_is_exist", names)
         self._raise_if_disconnected(codes)
@@ -227,7 +239,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
         check_batch(keys, dst, "MooncakeStorage.get")
         if not keys:
             return []
-        names = [check_key_str(k.to_str()) for k in keys]
+        names = [self.key_str(k) for k in keys]
         views = [tensor_bytes(t) for t in dst]
         with self._lock:
             hits = self._get_locked(names, dst, views)
@@ -238,7 +250,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
         check_batch(keys, src, "MooncakeStorage.put")
         if not keys:
             return []
-        names = [check_key_str(k.to_str()) for k in keys]
+        names = [self.key_str(k) for k in keys]
         views = [tensor_bytes(t) for t in src]
         with self._lock:
             return self._put_locked(names, src, views)
@@ -249,7 +261,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
                 return
             self._closed = True
             try:
-                self._store.close()
+                self._deadline.run("close", self._store.close)
             finally:
                 self._buffers.clear()
                 self._headers.reset()
@@ -391,7 +403,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
             return False
         # A size mismatch fails the transfer (-600 when the object is larger than the
         # destination, -800 when smaller); tell it from a vanished holder by its size.
-        size = self._store.get_size(name)
+        size = self._deadline.run("get_size", self._store.get_size, name)
         if size == legacy and legacy != expected:
             return True
         if size > 0 and size != expected:
@@ -407,7 +419,7 @@ class MooncakeStorage(RangedGets, StorageBackend):
         self._check_open()
         if not self._connected:
             self._probe_master()
-        return list(getattr(self._store, method)(*args))
+        return list(self._deadline.run(method, getattr(self._store, method), *args))
 
     def _probe_master(self) -> None:
         try:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mesh_hicache.storage.keys import StorageKey, check_key_str
+from mesh_hicache.storage.deadline import Deadline
+from mesh_hicache.storage.keys import StorageKey
 from mesh_hicache.storage.objects import (
     HEADER_SIZE,
     OBJECT_FORMAT_VERSION,
@@ -46,10 +47,12 @@ class RangedGets:
         _headers: Any
         _staging: Any
         _store: Any
+        _deadline: Deadline
         codec: Any
 
         def _call(self, method: str, *args: Any) -> list[int]: ...
         def _raise_if_disconnected(self, codes: Sequence[int]) -> None: ...
+        def key_str(self, key: StorageKey) -> str: ...
         def is_registered(self, tensor: torch.Tensor) -> bool: ...
         def _count(self, **deltas: int) -> None: ...
         def _record_corrupt(self, kind: str, key: str, detail: str) -> None: ...
@@ -71,7 +74,7 @@ class RangedGets:
             raise ValueError(f"get_ranges: {len(keys)} keys, {len(dst)} tensors, {len(ranges)}")
         if not keys:
             return []
-        names = [check_key_str(k.to_str()) for k in keys]
+        names = [self.key_str(k) for k in keys]
         views = [tensor_bytes(t) for t in dst]
         with self._lock:
             hits = self._ranged_locked(names, dst, views, ranges)
@@ -107,7 +110,10 @@ class RangedGets:
                 whole += self._fetch(names, dst, views, regions, spans, live, hits)
         finally:
             if live:  # drops the cached replica lookups; its result says nothing more
-                self._store.batch_get_session_end([names[i] for i in live])
+                ended = [names[i] for i in live]
+                self._deadline.run(
+                    "batch_get_session_end", self._store.batch_get_session_end, ended
+                )
         if whole:
             again = self._get_locked(
                 [names[i] for i in whole], [dst[i] for i in whole], [views[i] for i in whole]

@@ -93,6 +93,17 @@ checksum mismatch, an object whose seal (CRC32 or MAC) is not the one this reade
 requires, and a MAC mismatch (forged, written under another secret, or corrupt)."""
 
 
+REMOVABLE_KINDS: frozenset[str] = frozenset({"short", "length", "checksum", "mac"})
+"""Kinds that prove an object at one of this reader's names damaged by its own format
+(truncated, a length that disagrees, a checksum or MAC mismatch), so a backend may
+remove it for a good copy to replace it. Everything else a reader cannot check -- an
+unknown (newer) format version, another magic, a header written for another key, a
+seal other than the one this reader uses -- is a miss left in place: it may belong to
+another version or trust domain sharing the store. (A MAC mismatch counts as damage
+because with a secret the names themselves are derived from it: only writers holding
+the same secret use them.)"""
+
+
 class ObjectError(Exception):
     """A stored object failed a check; backends turn it into a miss plus a warning."""
 
@@ -122,6 +133,15 @@ def table_size(nbytes: int, chunk_bytes: int, keyed: bool) -> int:
     """Bytes of the chunk table of a ``nbytes`` payload cut in ``chunk_bytes`` chunks."""
     count = -(-nbytes // chunk_bytes)
     return _TABLE_HEAD.size + count * (8 if keyed else 4) + _TAG_SIZE
+
+
+def check_object_size(size: int, nbytes: int) -> None:
+    """ObjectError ("length") when a stored object of ``size`` bytes is larger than any
+    object with an ``nbytes`` payload can be (header + the largest chunk table +
+    payload), checked before anything is allocated or read: a planted or damaged file
+    costs a miss, never memory proportional to its size."""
+    if size > HEADER_SIZE + nbytes + table_size(nbytes, 1, True):
+        raise ObjectError("length", f"object of {size} bytes for a {nbytes}-byte destination")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,9 +239,14 @@ class ObjectCodec:
             self._sip_key: bytes | None = hashlib.blake2b(
                 secret, digest_size=16, person=b"mhc-chunk-sip"
             ).digest()
+            self.name_key: bytes | None = hashlib.blake2b(
+                secret, digest_size=32, person=b"mhc-key-names"
+            ).digest()
+            """Key of the secret-derived object names (``keys.StorageKey.to_str``)."""
             secret = hashlib.blake2b(secret, digest_size=32, person=b"mhc-mac-key").digest()
         else:
             self._sip_key = None
+            self.name_key = None
         self._mac_key = secret
 
     @property

@@ -210,7 +210,8 @@ def sealed_objects(tag: str) -> dict[str, Any]:
     raw = st._store
     row = make_pools(4)["kv"][0]
     payload = bytes(tensor_bytes(row))
-    names = [key("kv", i, tag).to_str() for i in range(4)]
+    # The forger has seen the (secret-derived) names in the store.
+    names = [st.key_str(key("kv", i, tag)) for i in range(4)]
     tampered = bytearray(st.codec.encode_object(names[2], payload))
     tampered[-5] ^= 0x40
     codes = [
@@ -227,12 +228,26 @@ def sealed_objects(tag: str) -> dict[str, Any]:
 # -- degraded mode ---------------------------------------------------------------------------
 
 
-def open_guarded(master_address: str, retry_interval_s: float) -> None:
+def open_guarded(master_address: str, retry_interval_s: float, **options: Any) -> None:
     """A GuardedStorage over a lazily built MooncakeStorage (what the cache uses)."""
     close_storage()
     _STATE["storage"] = GuardedStorage(
-        connect=lambda: MooncakeStorage(master_address), retry_interval_s=retry_interval_s
+        connect=lambda: MooncakeStorage(master_address, **options),
+        retry_interval_s=retry_interval_s,
     )
+
+
+def timed_guarded_calls(seed: int, tag: str, calls: int) -> dict[str, Any]:
+    """``guarded_get_after_outage`` plus the wall time of each call (exists + get)."""
+    st: GuardedStorage = storage()
+    src = make_pools(seed)["kv"]
+    keys = [key("kv", i, tag) for i in range(src.shape[0])]
+    seconds, results = [], []
+    for _ in range(calls):
+        start = time.monotonic()
+        results.append({"exists": st.exists(keys), "get": st.get(keys, list(src.clone()))})
+        seconds.append(time.monotonic() - start)
+    return {"results": results, "seconds": seconds, "degraded": st.degraded}
 
 
 def guarded_round_trip(seed: int, tag: str) -> dict[str, Any]:

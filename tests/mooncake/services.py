@@ -217,6 +217,12 @@ class MooncakeServices:
         self.master.send_signal(signal.SIGKILL)
         self.master.wait(timeout=10)
 
+    def freeze_master(self, frozen: bool) -> None:
+        """SIGSTOP (``frozen``) or SIGCONT the master: it keeps its port and accepts TCP
+        connections, but answers nothing while stopped."""
+        assert self.master is not None
+        self.master.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def stop(self) -> None:
         """Kill every process this object started, by PID, and reap them."""
         for proc in (self.client, self.master):

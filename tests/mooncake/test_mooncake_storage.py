@@ -122,6 +122,34 @@ def test_master_killed_degrades_to_misses_and_recovers(
         w.close()
 
 
+def test_frozen_master_degrades_within_the_call_deadline_and_recovers(
+    private_services: MooncakeServices,
+) -> None:
+    # A stopped master still accepts TCP connections, so the port probe passes and the
+    # Mooncake client would wait inside its call for good: the deadline bounds it.
+    w = NetnsWorker(private_services, timeout=90)
+    try:
+        w.call(bodies.open_guarded, private_services.master_address, 0.5, call_timeout_s=2.0)
+        before = w.call(bodies.guarded_round_trip, 41, "frozen")
+        assert all(before["put"]) and all(before["get"]) and before["equal"]
+        private_services.freeze_master(True)
+        try:
+            during = w.call(bodies.timed_guarded_calls, 41, "frozen", 4)
+        finally:
+            private_services.freeze_master(False)
+        assert during["degraded"]
+        for r in during["results"]:
+            assert r["exists"] == 0 and r["get"] == [False] * 6
+        # One deadline (2 s, + slack for a loaded machine) for the first call, then the
+        # overrun call is still pending and every later call fails at once.
+        assert during["seconds"][0] < 2.0 * 2 + 10, during["seconds"]
+        assert sum(during["seconds"]) < 2.0 * 2 * 2 + 10, during["seconds"]
+        after = w.call(bodies.guarded_wait_recovered, 42, "thawed", 40.0)
+        assert not after["degraded"] and all(after["get"]) and after["equal"]
+    finally:
+        w.close()
+
+
 def test_unreachable_master_at_start_degrades_at_once(worker: NetnsWorker) -> None:
     # Port 1 has no listener in the namespace: construction fails fast, the guard
     # answers misses instead of raising.

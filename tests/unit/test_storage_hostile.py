@@ -188,10 +188,12 @@ def test_stale_temps_are_removed_at_open_without_a_cap(tmp_path):
         dead = d / f".tmp-{host}-{_dead_pid()}-abcd1234-0"
         live = d / f".tmp-{host}-{sleeper.pid}-abcd1234-0"
         other_host = d / f".tmp-00000000-{_dead_pid()}-abcd1234-0"
-        old = d / ".tmp-123-crashed"
-        for p in (dead, live, other_host, old):
+        old = d / f".tmp-00000000-{sleeper.pid}-abcd1234-0"  # ours, another host's, aged
+        not_ours = d / ".tmp-123-crashed"  # another program's temp file, however old
+        for p in (dead, live, other_host, old, not_ours):
             p.write_bytes(b"partial")
-        os.utime(old, (time.time() - 7200, time.time() - 7200))
+        for p in (old, not_ours):
+            os.utime(p, (time.time() - 7200, time.time() - 7200))
         foreign = d / "notes.txt"
         foreign.write_bytes(b"someone else's")
         link = d / f".tmp-{host}-{_dead_pid()}-abcd1234-1"
@@ -199,6 +201,7 @@ def test_stale_temps_are_removed_at_open_without_a_cap(tmp_path):
         FileStorage(tmp_path / "l3")  # no max_bytes: the open still cleans up
         assert not dead.exists() and not old.exists()
         assert live.exists() and other_host.exists()  # a live writer, another host's pid
+        assert not_ours.exists()
         assert foreign.read_bytes() == b"someone else's" and link.is_symlink()
         assert store.exists([key(1)]) == 1
     finally:

@@ -103,10 +103,11 @@ def test_load_secret(tmp_path):
 
 
 def _forge(store: FileStorage, k: StorageKey, fake: torch.Tensor, codec: ObjectCodec) -> None:
-    """What a writer of the store without the secret can do: a well-formed object."""
+    """What a writer of the store without the secret can do once it has seen an object's
+    name (by listing the root): a well-formed object under that name."""
     path = store.object_path(k)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(codec.encode_object(k.to_str(), tensor_bytes(fake)))
+    path.write_bytes(codec.encode_object(store.key_str(k), tensor_bytes(fake)))
 
 
 def test_forged_object_is_a_miss_with_a_secret(tmp_path, caplog):
@@ -119,9 +120,12 @@ def test_forged_object_is_a_miss_with_a_secret(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mesh_hicache"):
         assert store.get([key(1), key(2)], [dst, torch.empty_like(dst)]) == [False, False]
     assert store.stats.corrupt_by_kind == {"unsealed": 1, "mac": 1}
-    # A fresh put replaces the removed forgery with a good object.
-    assert store.put_one(key(1), page(1)) and store.get_one(key(1), dst)
-    assert torch.equal(dst, page(1))
+    # An object this reader cannot check (unsealed) is left in place; one that fails the
+    # MAC under a name derived from this secret is damage and is removed, so a fresh put
+    # replaces it with a good object.
+    assert store.put_one(key(1), page(1)) and not store.get_one(key(1), dst)
+    assert store.put_one(key(2), page(2)) and store.get_one(key(2), dst)
+    assert torch.equal(dst, page(2))
     # Without a secret the same forgery is accepted: what the secret is for.
     open_store = FileStorage(tmp_path / "plain")
     _forge(open_store, key(1), page(666), PLAIN_CODEC)
@@ -129,8 +133,8 @@ def test_forged_object_is_a_miss_with_a_secret(tmp_path, caplog):
 
 
 def test_per_tenant_secrets_keep_tenants_apart(tmp_path):
-    # Two tenants share one root, each with its own secret. Tenant B knows A's key
-    # names (the namespace digest is not secret) and writes poisoned objects there.
+    # Two tenants share one root, each with its own secret. Tenant B asks for A's key
+    # (names are derived from the secret, so B's objects land under names of its own).
     root = tmp_path / "shared"
     bob_ns = dataclasses.replace(NS, tenant="bob")
     alice = make_storage("file", root=root, secret=b"a" * 32)
@@ -142,7 +146,7 @@ def test_per_tenant_secrets_keep_tenants_apart(tmp_path):
     assert alice.get_one(key(2, bob_ns), dst) is False  # and A cannot read B's objects
     assert alice.put_one(key(1), page(1)) and alice.get_one(key(1), dst)
     assert torch.equal(dst, page(1))
-    assert bob.get_one(key(1), dst) is False
+    assert bob.get_one(key(1), dst) and torch.equal(dst, page(666))  # B's own, untouched
 
 
 def test_secret_file_option(tmp_path):
