@@ -43,7 +43,8 @@ from mesh_hicache.pools.arena import ArenaIds, agreed_plan
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import PoolUsage, RadixKey, RadixTree
-from mesh_hicache.radix.eviction import CostModel, make_policy
+from mesh_hicache.radix.eviction import CostModel
+from mesh_hicache.radix.policies import make_policy
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.storage.factory import open_storage
