@@ -106,8 +106,6 @@ class EvictionPolicyKind(Choice):
 
     LRU = "lru"
     """Least recently used first."""
-    LFU = "lfu"
-    """Least frequently used first, then least recently used."""
     COST = "cost"
     """FLOPs a hit saves per byte, decaying exponentially with age
     (``radix.eviction.DecayCostPolicy``; opt-in, ``lru`` is the default)."""

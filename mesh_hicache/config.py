@@ -108,8 +108,9 @@ class HiCacheConfig:
     """How the tree ranks eviction victims: ``lru`` (default), ``cost`` (the FLOPs a hit
     saves per byte, decaying exponentially with age; ``radix.eviction.DecayCostPolicy``,
     docs/DESIGN.md section 5; ahead of LRU in 6 of the 9 replayed cells, behind in 3 and on
-    the main job, so opt-in), ``lfu``, or a stateless ``EvictionPolicy`` instance
-    (benchmarks' baselines, ``CostPolicy``'s GreedyDual-Size)."""
+    the main job, so opt-in), ``adaptive`` and ``reuse`` (``cost`` with a learnt horizon,
+    and a learnt reuse probability; ``radix.adaptive`` / ``radix.reuse``), or a stateless
+    ``EvictionPolicy`` instance (the benchmarks' baselines, ``scripts/baseline_policies.py``)."""
     cost_model: CostModel | None = None
     """Bytes per KV token and per state, FLOPs per token and per key for ``cost``;
     None = ``CostModel.from_spec`` (rough). The runtime passes its model's numbers."""

@@ -43,7 +43,8 @@ from mesh_hicache.pools.arena import ArenaIds, agreed_plan
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import PoolUsage, RadixKey, RadixTree
-from mesh_hicache.radix.eviction import CostModel, make_policy
+from mesh_hicache.radix.eviction import CostModel
+from mesh_hicache.radix.policies import make_policy
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.storage.factory import open_storage
@@ -204,14 +205,16 @@ class HiCacheController:
     def check_integrity(self) -> None:
         """Tree invariants plus exact pool accounting: tree + free + held = capacity.
 
-        Held: device pages/slots owned by open requests. Host pools must have no
-        reservation in flight (call after ``flush`` with no prefetch running). Every
+        Held: device pages/slots owned by open requests or reserved by loads in flight.
+        Host pools must have no reservation in flight (call after ``flush`` with no
+        prefetch running). Every
         node's ``lock_ref``/``host_ref`` must equal what the open requests and the backups
         in flight hold on it: a protection nobody holds is a leak (``RuntimeError``)."""
         leases = self.requests.open_leases
         self._check_protections([*leases, *self.backups.leases()])
-        held_pages = [p for lease in leases for p in lease.owned_pages]
-        held_slots = [s for lease in leases for s in lease.owned_slots]
+        loading_pages, loading_slots = self.loader.reserved
+        held_pages = [p for lease in leases for p in lease.owned_pages] + loading_pages
+        held_slots = [s for lease in leases for s in lease.owned_slots] + loading_slots
 
         def usage(allocator: PageAllocator | ArenaIds, held: Sequence[int] = ()) -> PoolUsage:
             free = [i for i in range(allocator.capacity) if allocator.is_free(i)]

@@ -33,6 +33,7 @@ from typing import Any
 
 import bench_common
 import torch.distributed as dist
+from baseline_policies import GreedyDualSizePolicy, MarconiPolicy
 from torch.distributed.device_mesh import init_device_mesh
 
 from mesh_hicache.radix import eviction
@@ -144,9 +145,9 @@ def parser() -> argparse.ArgumentParser:
 def make_policy(name: str, prof: ModelProfile, alpha: float) -> str | eviction.EvictionPolicy:
     """What ``HiCacheConfig.eviction_policy`` gets for ``--policy name``."""
     if name == "marconi":
-        return eviction.MarconiPolicy(prof.cost_model(), alpha)
+        return MarconiPolicy(prof.cost_model(), alpha)
     if name == "gds":
-        return eviction.CostPolicy(prof.cost_model())
+        return GreedyDualSizePolicy(prof.cost_model())
     if name not in POLICIES:
         raise ValueError(f"--policy {name!r}; choose from {POLICIES}")
     return name

@@ -1,6 +1,6 @@
 """The hybrid radix tree: prefix matching over KV pages and Mamba checkpoints per tier."""
 
-from mesh_hicache.radix.eviction import EvictionPolicy, EvictTarget, LFUPolicy, LRUPolicy, NodeStats
+from mesh_hicache.radix.eviction import EvictionPolicy, EvictTarget, LRUPolicy, NodeStats
 from mesh_hicache.radix.hashing import RadixKey, pack_tokens, page_hashes
 from mesh_hicache.radix.node import (
     EvictResult,
@@ -19,7 +19,6 @@ __all__ = [
     "EvictionPolicy",
     "Family",
     "InsertResult",
-    "LFUPolicy",
     "LRUPolicy",
     "MatchResult",
     "NodeStats",

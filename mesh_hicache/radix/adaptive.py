@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 from mesh_hicache.radix.eviction import (
     CostModel,
-    CostPolicy,
     EvictionPolicy,
     EvictTarget,
     NodeStats,
@@ -81,7 +80,7 @@ class AdaptiveCostPolicy(EvictionPolicy):
         self.max_horizon = float(max_horizon)
         self.clip = float(clip)
         self.mean_decay = float(mean_decay)
-        self._value = CostPolicy(cost, run_bytes=False)
+        self._cost = cost
         self._unit = cost.flops_per_token / cost.kv_bytes_per_token
         # 0.999: float rounding must never let a key decrease on a touch.
         self._rate = 0.999 / self.clip
@@ -98,7 +97,7 @@ class AdaptiveCostPolicy(EvictionPolicy):
 
     def log_value(self, stats: NodeStats, target: EvictTarget) -> float:
         """The node's ``l``: ``ln(value / unit)`` clipped to ``[-clip, clip]``."""
-        rel = max(self._value.value(stats, target) / self._unit, _FLOOR)
+        rel = max(self._cost.value(stats, target) / self._unit, _FLOOR)
         return min(max(math.log(rel), -self.clip), self.clip)
 
     def horizon_at(self, t: int) -> float:

@@ -9,7 +9,7 @@ only, never of the current clock or of other nodes. "Age" is therefore expressed
 
 Touches are cheap: a match or insert only stores the node's new ``last_access`` and
 ``hit_count``. A policy whose priority never decreases when those grow (``monotone``,
-the default; true of LRU and LFU) lets the tree re-rank a touched node lazily, when it
+the default; true of LRU) lets the tree re-rank a touched node lazily, when it
 reaches the top of a queue. A policy that sets ``monotone = False`` is re-ranked on every
 touch instead (correct, but a touch then costs a queue update per node).
 
@@ -120,7 +120,7 @@ class EvictionPolicy(abc.ABC):
     def select(self, entries: list[tuple[Any, ...]], target: EvictTarget) -> int | None:
         """Index into ``entries`` (a target's queue, in priority order) of the victim to take
         instead of the first, or None for the first. A policy whose ranking depends on the
-        other candidates (``MarconiPolicy``) overrides this; it costs a scan per victim."""
+        other candidates (``ReusePolicy``) overrides this; it costs a scan per victim."""
         return None
 
 
@@ -129,13 +129,6 @@ class LRUPolicy(EvictionPolicy):
 
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
         return (stats.last_access,)
-
-
-class LFUPolicy(EvictionPolicy):
-    """Least frequently used first, then least recently used."""
-
-    def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
-        return (stats.hit_count, stats.last_access)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,68 +209,37 @@ class CostModel:
             return 0.0
         return self.flops(stats.anchor_len, stats.prefix_len)
 
-
-class CostPolicy(EvictionPolicy):
-    """GreedyDual-Size over compute: ``priority = inflation + saved FLOPs / bytes``.
-
-    The value of a node is the compute its hit saves (``CostModel.saved_flops``: the
-    tokens back to the nearest ancestor that could serve instead) per byte that evicting
-    it frees; ``inflation`` is the tier's clock at the node's last access, and the clock
-    becomes each victim's priority, so an untouched node ages relative to the ones touched
-    after it (GreedyDual-Size). Online, deterministic, heap-friendly: a touch only raises
-    a priority, so queues re-rank lazily (``monotone``).
-
-    Bytes freed: a leaf frees its state and the pages back to its anchor (``run_bytes``:
-    the stateless nodes above it go with it); an inner node's state eviction frees the
-    state only, and ages from its last use as a resume point (``state_access``), not from
-    the matches that only passed through it. ``lone_state`` scales the saving of a state
-    at an inner node with one child (1.0; 0.1 measured better on chat, worse on agent
-    traces), ``frequency`` scales savings by ``1 + hit_count`` (GreedyDual-Size-Frequency;
-    off: it measured no better).
-    """
-
-    path_stats = True
-    aging = True
-
-    def __init__(
+    def value(
         self,
-        cost: CostModel,
+        stats: NodeStats,
+        target: EvictTarget,
         *,
+        run_bytes: bool = False,
         lone_state: float = 1.0,
-        run_bytes: bool = True,
-        frequency: bool = False,
-    ) -> None:
-        if not isinstance(cost, CostModel):
-            raise TypeError(f"CostPolicy needs a CostModel, got {cost!r}")
-        self.cost = cost
-        self.lone_state = lone_state
-        self.run_bytes = run_bytes
-        self.frequency = frequency
+    ) -> float:
+        """Saved FLOPs per byte that evicting the node for ``target`` frees (>= 0).
 
-    def value(self, stats: NodeStats, target: EvictTarget) -> float:
-        """Saved FLOPs per freed byte (>= 0)."""
-        cost = self.cost
-        saved = cost.saved_flops(stats)
+        An inner node's state eviction frees the state only; with ``lone_state`` the
+        saving of a state at an inner node with one child is scaled (it serves only
+        requests that end exactly there). A leaf frees its pages and its state; with
+        ``run_bytes`` also the stateless run above it, back to its anchor (those nodes
+        go with it)."""
+        saved = self.saved_flops(stats)
         if not saved:
             return 0.0
         if stats.num_children:
             if target in _STATE_TARGETS:
                 if stats.num_children == 1:
-                    saved *= self.lone_state
-                size = cost.state_bytes
+                    saved *= lone_state
+                size = self.state_bytes
             else:
-                size = cost.node_bytes(stats, target)
+                size = self.node_bytes(stats, target)
         else:
             tokens = stats.num_tokens
-            if self.run_bytes:
+            if run_bytes:
                 tokens = max(tokens, stats.prefix_len - stats.anchor_len)
-            size = tokens * cost.kv_bytes_per_token + cost.state_bytes
-        if self.frequency:
-            saved *= 1 + stats.hit_count
+            size = tokens * self.kv_bytes_per_token + self.state_bytes
         return saved / size if size else 0.0
-
-    def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
-        return (stats.inflation + self.value(stats, target), stats.last_access)
 
 
 class DecayCostPolicy(EvictionPolicy):
@@ -285,7 +247,7 @@ class DecayCostPolicy(EvictionPolicy):
 
     ``priority = last_access + horizon * ln(value / unit)``, i.e. the node of least
     ``value * exp((last_access - now) / horizon)`` goes first: ``value`` is
-    ``CostPolicy.value`` (the FLOPs a hit at the node saves, back to the nearest ancestor
+    ``CostModel.value`` (the FLOPs a hit at the node saves, back to the nearest ancestor
     that could serve instead, per byte its eviction frees), ``unit`` the value of a token
     run without attention or state bytes (``flops_per_token / kv_bytes_per_token``; only
     shifts every key alike), and ``horizon`` the logical-clock ticks over which a value
@@ -294,7 +256,8 @@ class DecayCostPolicy(EvictionPolicy):
     queues stay sorted and re-rank lazily; ties (equal keys) go by ``last_access``. A node
     no hit can end at (value 0) ranks as if ``-ln(_FLOOR)`` horizons older.
 
-    Against GreedyDual-Size (``CostPolicy``, value added to a clock) the value enters as a
+    Against GreedyDual-Size (value added to a clock; a benchmark baseline in
+    ``scripts/baseline_policies.py``) the value enters as a
     log, so twice the value buys the same extra lifetime (``horizon * ln 2``) whatever its
     size, and recency keeps its weight on workloads where the value says little (agent
     traces; README "Cache policy on replayed traces"). ``horizon`` 200 was chosen once on
@@ -310,14 +273,13 @@ class DecayCostPolicy(EvictionPolicy):
             raise ValueError(f"DecayCostPolicy horizon must be > 0, got {horizon!r}")
         self.cost = cost
         self.horizon = float(horizon)
-        # A leaf's value counts its own bytes (not the stateless run above it): measured
-        # better on the agent traces, equal elsewhere.
-        self._value = CostPolicy(cost, run_bytes=False)
         self._unit = cost.flops_per_token / cost.kv_bytes_per_token
 
     def value(self, stats: NodeStats, target: EvictTarget) -> float:
-        """Saved FLOPs per freed byte (``CostPolicy.value`` without ``run_bytes``)."""
-        return self._value.value(stats, target)
+        """Saved FLOPs per freed byte (``CostModel.value``; a leaf counts its own bytes,
+        not the stateless run above it: measured better on the agent traces, equal
+        elsewhere)."""
+        return self.cost.value(stats, target)
 
     def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
         rel = max(self.value(stats, target) / self._unit, _FLOOR)
@@ -326,73 +288,6 @@ class DecayCostPolicy(EvictionPolicy):
 
 #: Smallest relative value ``DecayCostPolicy`` takes a log of (a node that saves nothing).
 _FLOOR = 1e-6
-
-
-def make_policy(kind: str | EvictionPolicy, cost: CostModel) -> EvictionPolicy:
-    """The policy named by ``kind`` (``choices.EvictionPolicyKind`` values), or ``kind``
-    itself when it is a policy already."""
-    if isinstance(kind, EvictionPolicy):
-        return kind
-    kind = str(kind)
-    if kind == "lru":
-        return LRUPolicy()
-    if kind == "lfu":
-        return LFUPolicy()
-    if kind == "cost":
-        return DecayCostPolicy(cost)
-    if kind == "adaptive":
-        from mesh_hicache.radix.adaptive import AdaptiveCostPolicy  # it imports this module
-
-        return AdaptiveCostPolicy(cost)
-    if kind == "reuse":
-        from mesh_hicache.radix.reuse import ReusePolicy  # it imports this module
-
-        return ReusePolicy(cost)
-    raise ValueError(
-        f"eviction policy {kind!r}; choose from ('lru', 'lfu', 'cost', 'adaptive', 'reuse')"
-    )
-
-
-class MarconiPolicy(EvictionPolicy):
-    """A baseline after the Marconi paper's description (Pan et al., MLSys 2025): evict
-    the candidate of least ``recency + alpha * flop_efficiency``, both min-max normalized
-    over the current candidates (recency: ``last_access``; FLOP efficiency: saved FLOPs
-    per byte, as ``CostPolicy.value``). Not heap-friendly: a scan of the candidates per
-    victim (``select``); for benchmarks, ``alpha`` tuned per trace offline.
-    """
-
-    path_stats = True
-    monotone = False  # ``select`` reads every candidate's key: keep them all current
-
-    def __init__(self, cost: CostModel, alpha: float) -> None:
-        if not alpha >= 0:
-            raise ValueError(f"MarconiPolicy alpha must be >= 0, got {alpha!r}")
-        self.cost = cost
-        self.alpha = float(alpha)
-
-    def efficiency(self, stats: NodeStats, target: EvictTarget) -> float:
-        """Saved FLOPs (back to the nearest state) per byte the eviction frees."""
-        size = self.cost.node_bytes(stats, target)
-        return self.cost.saved_flops(stats) / size if size else 0.0
-
-    def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
-        return (stats.last_access, self.efficiency(stats, target))
-
-    def select(self, entries: list[tuple[Any, ...]], target: EvictTarget) -> int | None:
-        if len(entries) < 2 or self.alpha == 0:
-            return None
-        t_lo, t_hi = entries[0][0], entries[-1][0]
-        values = [e[1] for e in entries]
-        v_lo, v_hi = min(values), max(values)
-        t_span = (t_hi - t_lo) or 1
-        v_span = (v_hi - v_lo) or 1.0
-        alpha = self.alpha
-        best, best_i = None, 0
-        for i, e in enumerate(entries):
-            score = (e[0] - t_lo) / t_span + alpha * (e[1] - v_lo) / v_span
-            if best is None or score < best:
-                best, best_i = score, i
-        return best_i
 
 
 _STATE_TARGETS = (EvictTarget.MAMBA_DEVICE, EvictTarget.MAMBA_HOST)

@@ -15,7 +15,7 @@ from mesh_hicache.radix.node import PoolUsage, TreeNode
 from mesh_hicache.radix.queues import candidacy
 
 if TYPE_CHECKING:
-    from mesh_hicache.radix.tree import RadixTree
+    from mesh_hicache.radix.core import TreeCore
 
 _POOLS = ("device", "host", "mamba_device", "mamba_host")
 
@@ -24,7 +24,7 @@ def _fail(msg: str) -> None:
     raise RuntimeError(f"radix integrity: {msg}")
 
 
-def digest(tree: RadixTree) -> str:
+def digest(tree: TreeCore) -> str:
     """SHA-256 hex of the structure and tier state; equal on trees fed the same calls."""
     h = hashlib.sha256()
     h.update(f"ps={tree.page_size};mamba={tree.has_mamba};clock={tree.clock}\n".encode())
@@ -49,7 +49,7 @@ def digest(tree: RadixTree) -> str:
     return h.hexdigest()
 
 
-def _check_node(tree: RadixTree, node: TreeNode, parent: TreeNode, key: bytes, ns: str) -> None:
+def _check_node(tree: TreeCore, node: TreeNode, parent: TreeNode, key: bytes, ns: str) -> None:
     ps = tree.page_size
     if node.is_sentinel or not node.alive or node.parent is not parent:
         _fail(f"{node!r} is a sentinel, dead, or has a wrong parent link")
@@ -106,7 +106,7 @@ def _check_pools(owners: dict[str, dict[int, int]], pools: dict[str, PoolUsage |
             _fail(f"{pool} pool leaks {missing} / has out-of-range {extra}")
 
 
-def check_integrity(tree: RadixTree, pools: dict[str, PoolUsage | None]) -> None:
+def check_integrity(tree: TreeCore, pools: dict[str, PoolUsage | None]) -> None:
     """Verify every invariant of ``tree``; ``RuntimeError`` naming the first violation.
 
     ``pools`` maps "device", "host", "mamba_device", "mamba_host" to the allocator's view

@@ -154,7 +154,7 @@ class ReusePolicy(AdaptiveCostPolicy):
     def score(self, node: TreeNode, target: EvictTarget, now: int) -> float:
         """``log P + log(value / unit)``: the victim is the candidate of least score."""
         stats = path_stats(node, self.has_mamba)
-        v = max(self._value.value(stats, target) / self._unit, _FLOOR)
+        v = max(self._cost.value(stats, target) / self._unit, _FLOOR)
         z = self._z(self._features(node, target, now))
         logp = -math.log1p(math.exp(-z)) if z >= 0 else z - math.log1p(math.exp(z))
         return logp + math.log(v)

@@ -363,6 +363,19 @@ class RadixTree(TreeCore):
         path, pos, partial = self._walk(root, key.data, end)
         return path[-1] if path and partial is None and pos == end else None
 
+    def kv_path(self, key: RadixKey) -> tuple[TreeNode, ...]:
+        """The nodes ``key``'s whole pages run through, top-down, the last one possibly
+        only partly (where the key ends or diverges inside it): the nodes an insert of
+        ``key`` would give copies to. Read-only: no split, no touch."""
+        end = self._key_end(key)
+        root = self._roots.get(key.namespace)
+        if root is None:
+            return ()
+        path, _pos, partial = self._walk(root, key.data, end)
+        if partial is not None:
+            path.append(partial[0])
+        return tuple(path)
+
     def nodes_on_path(self, node: TreeNode) -> list[TreeNode]:
         """Non-sentinel nodes from the root down to ``node`` (inclusive)."""
         path = list(self._up(node))

@@ -175,21 +175,20 @@ class RequestFlow:
         # Again (the prefetch or other requests may have changed the tree), uncounted.
         m = self._tree.match_prefix(lease.key, touch=False)
         lease.move(m.last_node, host=True)
-        host_nodes = [n for n in m.nodes if n.device_indices is None]
         state_node = None
         if self._has_mamba and m.mamba_on_device is None and m.mamba_on_host is not None:
             state_node = m.last_node
         try:
-            load = self._loader.start(host_nodes, state_node)
+            load = self._loader.start(m.nodes, state_node)
         except CacheFull:
             lease.prefix_len, lease.prefix_pages, lease.mamba_slot = 0, [], None
             lease.load = PendingLoad(None)
             return
         lease.load = load
         lease.prefix_len = m.usable_len
-        lease.prefix_pages = list(m.device_indices) + list(load.pages)
+        lease.prefix_pages = list(load.prefix_pages)
         lease.known_pages.update(lease.prefix_pages)
-        lease.mamba_slot = m.mamba_on_device if m.mamba_on_device is not None else load.slot
+        lease.mamba_slot = m.mamba_on_device if m.mamba_on_device is not None else load.prefix_slot
 
     def finish_load(self, lease: RequestLease) -> int:
         """Wait for the load, agree on its success, count the request; the prefix length.
@@ -216,7 +215,7 @@ class RequestFlow:
         lease.served = ServedTokens(lease.prefix_len - loaded, loaded - storage, storage)
         mamba_hit = None
         if lease.prefix_len and self._has_mamba:
-            mamba_hit = "host" if load.slot is not None else "device"
+            mamba_hit = "host" if load.prefix_slot is not None else "device"
         self._stats.record_request(len(lease.key), lease.served, lease.hit.raw_kv_tokens, mamba_hit)
         return lease.prefix_len
 
@@ -258,6 +257,10 @@ class RequestFlow:
         there); ``mamba_slot`` is allocated to ``lease`` (or is the slot the tree already
         holds at the key's end)."""
         self.check_open(lease)
+        # A node on the key's path whose load is in flight gets its device copy from that
+        # load, never a second one from this insert: finish the load first.
+        if self._loader.in_flight:
+            self._loader.settle(self._tree.kv_path(key))
         pages = self._check_pages(lease, key, pages)
         self._check_slot(lease, key, mamba_slot)
         result = self._tree.insert(key, device_indices=list(pages), mamba_device_slot=mamba_slot)

@@ -5,8 +5,9 @@ Every decoder layer of the checkpoint is one block (``norm`` + ``mixer``) of typ
 relu^2 -> ``down_proj``) or ``E`` MoE (sigmoid router with score-correction bias and
 group-limited top-k, squared-ReLU experts, a shared expert). The block pattern comes
 from ``layers_block_type`` (or the legacy ``hybrid_override_pattern``); stateless blocks
-join the cache layer of the mixer before them. The SSM step is clamped below at
-``time_step_min``.
+join the cache layer of the mixer before them. The SSM step is clamped to
+``time_step_limit`` (transformers >= 5.25 and the original implementation; 5.24 and
+earlier clamped it below at ``time_step_min`` instead).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class NemotronHAdapter:
         blocks = _blocks(hf)
         heads = v("num_attention_heads", 32)
         moe = "E" in blocks
+        # ``mamba_dt_limit``: the key's name in some released configs.
+        dt_lo, dt_hi = v("time_step_limit", None) or v("mamba_dt_limit", [0.0, float("inf")])
         return ModelConfig(
             name=name,
             vocab_size=v("vocab_size", 131072),
@@ -89,8 +92,8 @@ class NemotronHAdapter:
             router_scale=float(v("routed_scaling_factor", 1.0)),
             rotary_dim=0,
             tie_embeddings=bool(v("tie_word_embeddings", False)),
-            # The mixer clamps dt to (time_step_min, inf), whatever time_step_limit says.
-            dt_min=float(v("time_step_min", 0.001)),
+            dt_min=float(dt_lo),
+            dt_max=float(dt_hi),
             norm_eps=float(v("layer_norm_epsilon", 1e-5)),
             dtype=dtype,
         )

@@ -53,6 +53,9 @@ def test_second_runtime_instance_reads_shared_prefixes_from_mooncake(
     line = " ".join(shlex.quote(a) for a in full).replace("@MASTER@", '"$MOONCAKE_MASTER"')
     first = f"{line} --json {shlex.quote(str(tmp_path / 'first.json'))}"
     second = f"{line} --json {shlex.quote(str(tmp_path / 'second.json'))}"
+    # A third with both sessions in flight: their shared prefix is loaded from Mooncake
+    # by two requests at once.
+    third = f"{line} --concurrency 2 --json {shlex.quote(str(tmp_path / 'third.json'))}"
     # The cache-off baseline needs no store: it runs beside the script.
     off = subprocess.Popen(
         [py, "-m", "runtime.serve", "--cache", "off", *_serve_argv(1)]
@@ -64,7 +67,7 @@ def test_second_runtime_instance_reads_shared_prefixes_from_mooncake(
     try:
         script = subprocess.run(
             [str(REPO / "scripts" / "mooncake_local.sh"), "--segment", str(64 << 20), "--"]
-            + ["sh", "-c", f"{first} && {second}"],
+            + ["sh", "-c", f"{first} && {second} && {third}"],
             cwd=REPO,
             env=ENV,
             capture_output=True,
@@ -77,7 +80,8 @@ def test_second_runtime_instance_reads_shared_prefixes_from_mooncake(
             off.kill()
             off.wait()
     assert script.returncode == 0, script.stderr[-4000:]
-    runs = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("off", "first", "second")}
+    names = ("off", "first", "second", "third")
+    runs = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in names}
     first_stats, second_stats = runs["first"]["cache_stats"], runs["second"]["cache_stats"]
     # The first instance found nothing in L3 and backed its pages up.
     assert runs["first"]["summary"]["cached_storage"] == 0
@@ -92,6 +96,8 @@ def test_second_runtime_instance_reads_shared_prefixes_from_mooncake(
     assert not first_stats["storage_degraded"] and not second_stats["storage_degraded"]
     assert _outputs(runs["first"]) == _outputs(runs["off"])
     assert _outputs(runs["second"]) == _outputs(runs["off"])
+    assert runs["third"]["summary"]["cached_storage"] > 0
+    assert _outputs(runs["third"]) == _outputs(runs["off"])
 
 
 def test_mesh_only_elected_writers_put_and_every_rank_reads(

@@ -11,7 +11,8 @@ import pytest
 
 from mesh_hicache.radix import EvictTarget, RadixKey, RadixTree, adaptive
 from mesh_hicache.radix.adaptive import AdaptiveCostPolicy
-from mesh_hicache.radix.eviction import CostModel, DecayCostPolicy, NodeStats, make_policy
+from mesh_hicache.radix.eviction import CostModel, DecayCostPolicy, NodeStats
+from mesh_hicache.radix.policies import make_policy
 
 PS = 4
 COST = CostModel(kv_bytes_per_token=1.0, state_bytes=40.0, flops_per_token=100.0, flops_per_key=1.0)

@@ -1,10 +1,13 @@
-"""Cost-aware eviction: CostModel, CostPolicy (GreedyDual-Size), MarconiPolicy, the config."""
+"""Cost-aware eviction: CostModel, the GreedyDual-Size aging of the queues and the Marconi
+baseline (scripts/baseline_policies.py), the policies a configuration names."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -13,17 +16,14 @@ from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.radix import EvictTarget, Family, PoolUsage, RadixKey, RadixTree, Tier
 from mesh_hicache.radix.adaptive import AdaptiveCostPolicy
-from mesh_hicache.radix.eviction import (
-    CostModel,
-    CostPolicy,
-    DecayCostPolicy,
-    LRUPolicy,
-    MarconiPolicy,
-    NodeStats,
-    make_policy,
-)
+from mesh_hicache.radix.eviction import CostModel, DecayCostPolicy, LRUPolicy, NodeStats
+from mesh_hicache.radix.policies import make_policy
 from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
 from mesh_hicache.testing import internals
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from baseline_policies import GreedyDualSizePolicy as CostPolicy  # noqa: E402
+from baseline_policies import MarconiPolicy  # noqa: E402
 
 PS = 4
 #: KV of one page = 4 bytes, a state = 40 bytes: a state costs 10 pages.
@@ -121,14 +121,14 @@ def test_cost_policy_keeps_what_saves_more_per_byte_where_lru_keeps_the_newest()
         tree.evict_device(1)
         victims[type(policy).__name__] = [len(n.data) // 8 for n in tree.iter_nodes()]
         tree.check_integrity()
-    assert victims == {"LRUPolicy": [4], "CostPolicy": [32]}
+    assert victims == {"LRUPolicy": [4], "GreedyDualSizePolicy": [32]}
 
 
 def test_decay_policy_key_is_recency_plus_horizon_times_log_value():
     policy = DecayCostPolicy(COST, horizon=50.0)
     unit = COST.flops_per_token / COST.kv_bytes_per_token
     leaf = NodeStats(7, 0, 8, True, prefix_len=24, anchor_len=16, num_children=0, serves=True)
-    # The value is CostPolicy's without run_bytes: a leaf counts its own bytes only.
+    # The value is GreedyDual-Size's without run_bytes: a leaf counts its own bytes only.
     deep = leaf._replace(anchor_len=4)
     want = COST.flops(4, 24) / (8 + 40)
     assert policy.value(deep, EvictTarget.DEVICE_KV) == pytest.approx(want)
@@ -347,7 +347,8 @@ def test_config_selects_the_policy(one_rank_topology):
         layer_ids=(1,), conv_dim=2, conv_kernel=2, num_heads=1, head_dim=2, state_dim=2
     )
     spec = StateSpec(page_size=PS, kv=kv, mamba=mamba)
-    for name, kind in (("lru", LRUPolicy), ("cost", DecayCostPolicy)):
+    kinds = (("lru", LRUPolicy), ("cost", DecayCostPolicy), ("adaptive", AdaptiveCostPolicy))
+    for name, kind in kinds:
         config = HiCacheConfig(device_pages=8, enable_host=False, eviction_policy=name)
         cache = HiCache(one_rank_topology, spec, config)
         assert type(internals(cache).tree.policy) is kind
@@ -356,8 +357,9 @@ def test_config_selects_the_policy(one_rank_topology):
     config = HiCacheConfig(device_pages=8, enable_host=False, eviction_policy=given)
     assert make_policy(config.eviction_policy, COST) is given
     assert isinstance(make_policy("cost", COST), DecayCostPolicy)
-    with pytest.raises(ValueError, match="eviction_policy"):
-        HiCacheConfig(device_pages=8, eviction_policy="fifo")
+    for gone in ("fifo", "lfu"):
+        with pytest.raises(ValueError, match="eviction_policy"):
+            HiCacheConfig(device_pages=8, eviction_policy=gone)
     with pytest.raises(TypeError, match="cost_model"):
         HiCacheConfig(device_pages=8, cost_model={"flops_per_token": 1})
 

@@ -11,7 +11,8 @@ import pytest
 
 from mesh_hicache.radix import EvictTarget, RadixKey, RadixTree, reuse
 from mesh_hicache.radix.adaptive import AdaptiveCostPolicy
-from mesh_hicache.radix.eviction import CostModel, make_policy
+from mesh_hicache.radix.eviction import CostModel
+from mesh_hicache.radix.policies import make_policy
 from mesh_hicache.radix.reuse import NUM_FEATURES, ReusePolicy
 
 PS = 4

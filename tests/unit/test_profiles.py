@@ -453,8 +453,11 @@ def test_bench_hitrate_policies_and_baselines(single_rank_group, tmp_path, capsy
 
 
 def test_bench_hitrate_default_policy_is_the_decay_cost_policy():
+    from baseline_policies import GreedyDualSizePolicy
+
     from mesh_hicache.config import HiCacheConfig
-    from mesh_hicache.radix.eviction import CostPolicy, DecayCostPolicy, make_policy
+    from mesh_hicache.radix.eviction import DecayCostPolicy
+    from mesh_hicache.radix.policies import make_policy
 
     args = bench_hitrate.parser().parse_args(["t.jsonl", "--device-bytes", "1GB"])
     assert args.policy == "cost"
@@ -462,7 +465,7 @@ def test_bench_hitrate_default_policy_is_the_decay_cost_policy():
     prof = profile("hybrid-7b")
     chosen = make_policy(bench_hitrate.make_policy(args.policy, prof, 1.0), prof.cost_model())
     assert type(chosen) is DecayCostPolicy
-    assert type(bench_hitrate.make_policy("gds", prof, 1.0)) is CostPolicy
+    assert type(bench_hitrate.make_policy("gds", prof, 1.0)) is GreedyDualSizePolicy
 
 
 def test_bench_hitrate_write_back_gate(single_rank_group, tmp_path):

@@ -11,7 +11,6 @@ from mesh_hicache.radix import (
     EvictionPolicy,
     EvictTarget,
     Family,
-    LFUPolicy,
     LRUPolicy,
     NodeStats,
     PoolUsage,
@@ -22,6 +21,14 @@ from mesh_hicache.radix import (
     page_hashes,
 )
 from mesh_hicache.radix.queues import is_candidate
+
+
+class _LFUPolicy(EvictionPolicy):
+    """Least frequently used first, then least recently used: a second monotone policy
+    for the interface (the library ships LRU as its only plain recency policy)."""
+
+    def priority(self, stats: NodeStats, target: EvictTarget) -> tuple[int | float, ...]:
+        return (stats.hit_count, stats.last_access)
 
 
 class Pages:
@@ -271,14 +278,14 @@ def test_lru_order_and_policy() -> None:
     tree.match_prefix(key([0]))
     tree.match_prefix(key([2]))
     assert tree.evict_device(2).device_pages == (1, 3)
-    lfu = RadixTree(1, has_mamba=False, policy=LFUPolicy())
+    lfu = RadixTree(1, has_mamba=False, policy=_LFUPolicy())
     for t in range(3):
         lfu.insert(key([t]), [t])
     for _ in range(2):
         lfu.match_prefix(key([0]))
     lfu.match_prefix(key([1]))
     assert lfu.evict_device(3).device_pages == (2, 1, 0)
-    assert LFUPolicy().priority(NodeStats(5, 2, 1, False), EvictTarget.HOST_KV) == (2, 5)
+    assert _LFUPolicy().priority(NodeStats(5, 2, 1, False), EvictTarget.HOST_KV) == (2, 5)
 
 
 def test_eviction_head_names_the_next_victim_without_evicting() -> None:
@@ -298,7 +305,7 @@ def test_eviction_head_names_the_next_victim_without_evicting() -> None:
 
 
 def test_eviction_key_is_the_head_key_and_reads_nothing_else() -> None:
-    for policy in (LRUPolicy(), LFUPolicy()):
+    for policy in (LRUPolicy(), _LFUPolicy()):
         tree = RadixTree(1, has_mamba=True, policy=policy)
         for t in range(3):
             tree.insert(key([t]), [t], mamba_device_slot=10 + t)
@@ -524,7 +531,7 @@ class _MRUPolicy(EvictionPolicy):
         return (-stats.last_access,)
 
 
-@pytest.mark.parametrize("policy", [LRUPolicy(), LFUPolicy(), _MRUPolicy()])
+@pytest.mark.parametrize("policy", [LRUPolicy(), _LFUPolicy(), _MRUPolicy()])
 def test_eviction_order_equals_brute_force_min(policy: EvictionPolicy) -> None:
     # The queues re-rank touched nodes lazily; every victim must still be the candidate
     # with the smallest (priority, id) over the whole tree at the time of the call.

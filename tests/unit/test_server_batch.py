@@ -260,3 +260,39 @@ def _queued_then_dropped(small, checkpoint, reference) -> None:
     assert small.metric("mesh_hicache_server_completion_tokens_total") == served
     assert small.server.cache is not None
     small.server.cache.check_integrity()
+
+
+def test_eight_clients_on_a_warm_storage_root(checkpoint, one_rank_topology, reference, tmp_path):
+    """A server fills a storage root and closes; a fresh one on that root (empty L1 and
+    L2) gets 8 concurrent clients whose prompts cut one long prefix at different pages:
+    their prefetches and loads of the shared pages overlap. Every answer equals the
+    engine without a cache, the cache passes check_integrity, and storage served hits."""
+    argv = ["--model", str(checkpoint), "--page-size", "4", "--device-pages", "96"]
+    argv += ["--storage-root", str(tmp_path / "l3"), "--max-new-tokens", "4"]
+    argv += ["--prefetch-threshold", "4", "--concurrency", "8"]
+    stem = [f"w{n}" for n in range(60, 60 + 40)]
+    prompts = [" ".join(stem[: 8 + 4 * i] + [f"w{200 + i}"]) for i in range(8)]
+
+    def ask(server: LiveServer, prompt: str) -> list[int]:
+        out = server.client().completions.create(model=server.server.name, prompt=prompt)
+        return out.choices[0].token_ids
+
+    want = [reference(_encode(checkpoint, p), 4) for p in prompts]
+    first = LiveServer(argv, one_rank_topology)
+    try:
+        assert [ask(first, p) for p in prompts] == want
+    finally:
+        first.close()  # flushes every backup to the root
+    warm = LiveServer(argv, one_rank_topology)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: ask(warm, p), prompts))
+        assert answers == want
+        warm.wait_idle()
+        assert warm.metric("mesh_hicache_server_integrity_errors_total") == 0
+        assert warm.server.cache is not None
+        warm.server.cache.flush()
+        warm.server.cache.check_integrity()
+        assert warm.server.cache.stats().hit_tokens_storage > 0
+    finally:
+        warm.close()
