@@ -250,7 +250,7 @@ def checkpoint_model_id(
     return ID_PREFIX + h.hexdigest()
 
 
-def _put(h: hashlib._Hash, *parts: str) -> None:
+def _put(h: hashlib.blake2b, *parts: str) -> None:
     # Length-prefixed, so no two different item lists serialize to the same bytes.
     for part in parts:
         data = part.encode("utf-8")
