@@ -11,6 +11,7 @@ from mesh_hicache.choices import (
 )
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.consensus import Consensus
+from mesh_hicache.identity import checkpoint_model_id
 from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.topology import MeshAxis, MeshTopology
@@ -37,5 +38,6 @@ __all__ = [
     "StorageKind",
     "TransferBackend",
     "WritePolicy",
+    "checkpoint_model_id",
 ]
 __version__ = "0.1.0"

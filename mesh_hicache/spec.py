@@ -226,12 +226,22 @@ class StateSpec:
     kv: KVSpec | None = None
     mamba: MambaSpec | None = None
     indexer: IndexerSpec | None = None
-    model_id: str = "model"
-    """Identifies the weights; part of every storage key."""
+    model_id: str = ""
+    """Required: names the exact weights (part of every storage key). Derive it from a
+    checkpoint directory with ``mesh_hicache.identity.checkpoint_model_id(dir)``; it must
+    change whenever the cached numbers would (weights, config, dtype, the engine's
+    numerics). Leaving it out is a ``ValueError``: a shared default would let two models
+    read each other's state."""
     num_layers: int = field(init=False)
     """Derived: the number of model layers (all families' layer ids together)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise ValueError(
+                f"StateSpec.model_id is required (got {self.model_id!r}): pass the identity "
+                "of the weights, e.g. model_id=mesh_hicache.identity.checkpoint_model_id("
+                "model_dir), or a name you manage that changes whenever the weights do"
+            )
         _check_positive("StateSpec", page_size=self.page_size)
         if self.kv is None and self.mamba is None:
             raise ValueError("StateSpec needs kv or mamba (or both); got neither")

@@ -52,10 +52,14 @@ from runtime.startup_checks import (
 from runtime.workloads import Turn, make_workload, with_arrivals
 
 
+def _hash_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def build_model(args: argparse.Namespace, topology: MeshTopology) -> HybridModel:
     """The model the flags describe, on this rank's shard (a checkpoint: its slices only).
     Collective."""
-    choice = choose_model(args.model, DTYPES[args.dtype], args.seed)
+    choice = choose_model(args.model, DTYPES[args.dtype], args.seed, model_id=args.model_id)
     return HybridModel(
         choice.config,
         topology,
@@ -139,7 +143,9 @@ def serve_trace(
 
 def check_args(args: argparse.Namespace) -> None:
     """``ValueError`` for any bad flag, before a process group exists."""
-    choice = choose_model(args.model, DTYPES[args.dtype])
+    choice = choose_model(
+        args.model, DTYPES[args.dtype], model_id=args.model_id, progress=_hash_progress
+    )
     config = choice.config
     if args.prompts:
         tokenizer_path = choice.checkpoint.tokenizer_path if choice.checkpoint else None
@@ -261,7 +267,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     if leader and cfg is not None and cfg.storage is StorageKind.FILE:
         warm = l3_warmth(args.storage_root)
     cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
-    checkpoint = choose_model(args.model, config.dtype).checkpoint
+    checkpoint = choose_model(args.model, config.dtype, model_id=args.model_id).checkpoint
     tokenizer = load_tokenizer(checkpoint.tokenizer_path if checkpoint else None)
     if args.prompts:
         eos = checkpoint.eos_token_id if checkpoint else None

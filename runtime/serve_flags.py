@@ -34,6 +34,15 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "(config.json + *.safetensors; runtime.checkpoints lists the architectures)",
     )
     p.add_argument(
+        "--model-id",
+        metavar="ID",
+        default=None,
+        help="with a checkpoint directory: identify its weights in the cache's storage keys "
+        "by ID (e.g. a hub repo@revision) instead of hashing its files. Your responsibility: "
+        "ID must change whenever the weights do, or one model reads another's cached state "
+        "(docs/model_identity.md)",
+    )
+    p.add_argument(
         "--prompts",
         metavar="FILE.jsonl",
         help="serve these requests instead of --workload (see runtime/prompts.py)",

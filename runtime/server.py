@@ -140,7 +140,7 @@ class Server:
         cfg = serve.cache_config(args)
         self.cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
         self.engine = Engine(self.model, self.cache, max_new_tokens=args.max_new_tokens)
-        checkpoint = choose_model(args.model, config.dtype).checkpoint
+        checkpoint = choose_model(args.model, config.dtype, model_id=args.model_id).checkpoint
         self.codec = TextCodec.from_checkpoint_dir(
             checkpoint.path if checkpoint else None,
             config.vocab_size,

@@ -158,6 +158,7 @@ def pin() -> int | None:
 
 def build(page_size: int, layers: int, heads: int, head_dim: int, pages: int, device: str):
     spec = StateSpec(
+        model_id="bench-transfer",
         page_size=page_size,
         kv=KVSpec(
             layer_ids=tuple(range(layers)),

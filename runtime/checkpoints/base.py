@@ -150,14 +150,3 @@ class CheckpointWeights:
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         self.bytes_read += out.numel() * out.element_size()
         return out
-
-
-def file_digest(directory: Path) -> str:
-    """A short digest of the checkpoint's config and weight file sizes (names the weights
-    in storage keys without hashing gigabytes)."""
-    import hashlib
-
-    h = hashlib.sha256((directory / "config.json").read_bytes())
-    for path in sorted(directory.glob("*.safetensors")):
-        h.update(f"{path.name}:{path.stat().st_size}".encode())
-    return h.hexdigest()[:16]

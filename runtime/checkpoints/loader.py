@@ -9,20 +9,21 @@ the model reads slice by slice (``HybridModel(config, topo, weights=ckpt.weights
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from mesh_hicache.identity import checkpoint_model_id
 from runtime.checkpoints import bamba, deepseek_v32, granitemoehybrid, nemotron_h, qwen3_next
 from runtime.checkpoints.base import (
     Adapter,
     CheckpointWeights,
     SafetensorsFiles,
-    file_digest,
     parse_dtype,
 )
-from runtime.model.config import PRESETS, ModelConfig, preset
+from runtime.model.config import NUMERICS_VERSION, PRESETS, ModelConfig, preset
 from runtime.model.weights import WeightSource
 
 _ALL: tuple[Adapter, ...] = (
@@ -49,11 +50,23 @@ class Checkpoint:
     eos_token_id: int | None
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    model_id: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Checkpoint:
     """Open the checkpoint in directory ``path`` (``config.json`` + ``*.safetensors``).
 
     ``dtype``: float32 or bfloat16 for weights and activations (default: the
-    checkpoint's; float16 checkpoints run in float32). Reads no tensor data yet.
+    checkpoint's; float16 checkpoints run in float32). Reads no tensor data for the
+    model yet, but hashes every weight file once (remembered per user, see
+    ``mesh_hicache.identity``) for the identity in the storage keys.
+
+    ``model_id``: the user's own identity of the weights (e.g. a hub repo and revision)
+    instead of the content digest; keeping it unique to these exact weights is the
+    user's responsibility. ``progress`` receives the hashing progress lines.
     """
     directory = Path(path)
     config_file = directory / "config.json"
@@ -69,9 +82,12 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Check
             f"architecture {arch!r} of {directory} is not supported; supported: {SUPPORTED}"
         )
     adapter = ADAPTERS[arch]
-    name = f"{hf.get('model_type', arch)}-{file_digest(directory)}"
-    config = adapter.model_config(hf, dtype or parse_dtype(hf), name)
-    weights = CheckpointWeights(SafetensorsFiles(directory), adapter, config, hf)
+    dtype = dtype or parse_dtype(hf)
+    # Validate the config and find the weights before hashing gigabytes.
+    config = adapter.model_config(hf, dtype, "unhashed")
+    files = SafetensorsFiles(directory)
+    config = replace(config, name=weights_name(directory, arch, dtype, model_id, progress))
+    weights = CheckpointWeights(files, adapter, config, hf)
     tokenizer = directory / "tokenizer.json"
     eos = hf.get("eos_token_id")
     return Checkpoint(
@@ -84,6 +100,29 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Check
     )
 
 
+def weights_name(
+    directory: Path,
+    architecture: str,
+    dtype: torch.dtype,
+    model_id: str | None,
+    progress: Callable[[str], None] | None = None,
+) -> str:
+    """The identity of the checkpoint's weights as this runtime computes with them: the
+    content digest of the directory (or the user's ``model_id``), the architecture, the
+    dtype and ``NUMERICS_VERSION``. Explicit ids start with ``user-``, digests with
+    ``weights-v``: the two never collide."""
+    if model_id is not None:
+        if not model_id.strip():
+            raise ValueError(f"--model-id must not be empty, got {model_id!r}")
+        return f"user-{model_id}-{architecture}-n{NUMERICS_VERSION}"
+    extra = {
+        "architecture": architecture,
+        "dtype": str(dtype).removeprefix("torch."),
+        "runtime_numerics": str(NUMERICS_VERSION),
+    }
+    return checkpoint_model_id(directory, extra=extra, progress=progress)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelChoice:
     """What a ``--model`` flag names: a preset (seeded weights) or a checkpoint."""
@@ -94,13 +133,28 @@ class ModelChoice:
     checkpoint: Checkpoint | None
 
 
-def choose_model(model: str, dtype: torch.dtype, seed: int = 0) -> ModelChoice:
-    """``model`` is a preset name (``tiny``, ``small``) or a checkpoint directory."""
+def choose_model(
+    model: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    *,
+    model_id: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ModelChoice:
+    """``model`` is a preset name (``tiny``, ``small``) or a checkpoint directory.
+
+    ``model_id``: an explicit identity of a checkpoint's weights (``load_checkpoint``);
+    a preset has its own (its weights are a function of the seed), so ``ValueError``."""
     if model in PRESETS:
+        if model_id is not None:
+            raise ValueError(
+                f"--model-id is for checkpoint directories; the preset {model!r} is "
+                "identified by its config and --seed"
+            )
         return ModelChoice(preset(model, dtype=dtype, seed=seed), None, None)
     if not Path(model).is_dir():
         raise ValueError(
             f"--model {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory"
         )
-    ckpt = load_checkpoint(model, dtype)
+    ckpt = load_checkpoint(model, dtype, model_id=model_id, progress=progress)
     return ModelChoice(ckpt.config, ckpt.weights, ckpt)

@@ -30,6 +30,10 @@ ROUTERS = ("softmax", "sigmoid")
 SSM_KINDS = ("mamba2", "gdn")
 ATTN_KINDS = ("plain", "gated", "mla")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NUMERICS_VERSION = 2
+"""The runtime's numerics for given weights, part of every model id it derives. Bump it
+whenever the model code computes other numbers from the same weights (2: the sparse
+indexer's top-k keeps the lower position among tied scores)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,7 +115,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon (also of the SSM's gated norm)."""
     name: str = ""
-    """For checkpoints: a name of the weights (``model_id`` then uses it, not the seed)."""
+    """For checkpoints: the identity of the weights (``model_id`` then uses it, not the
+    seed): ``runtime.checkpoints`` sets it to the content digest of the checkpoint
+    (``mesh_hicache.identity.checkpoint_model_id``) or to the user's ``--model-id``."""
     seed: int = 0
     """Weights are a pure function of (seed, tensor name): same seed, same model, any mesh."""
     dtype: torch.dtype = torch.float32
@@ -398,13 +404,14 @@ class ModelConfig:
 
     @property
     def model_id(self) -> str:
-        """Names the weights (part of every storage key): shapes, pattern, seed and dtype
-        (for a checkpoint: its ``name`` and the dtype)."""
+        """Names the weights (part of every storage key). Seeded weights: every field that
+        shapes them, the seed, the dtype and ``NUMERICS_VERSION`` (the weights are a pure
+        function of those). A checkpoint: its ``name`` (the content identity) and dtype."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.name:
             return f"{self.name}-{dtype}"
         return (
-            f"hybrid-v{self.vocab_size}-d{self.d_model}-{self.layer_pattern}"
+            f"seeded-n{NUMERICS_VERSION}-hybrid-v{self.vocab_size}-d{self.d_model}-{self.layer_pattern}"
             f"-h{self.num_heads}kv{self.num_kv_heads}x{self.head_dim}"
             f"-s{self.ssm_heads}x{self.ssm_head_dim}n{self.ssm_state_dim}k{self.conv_kernel}"
             f"-{self.mlp_kind}{self.mlp_hidden}-seed{self.seed}-{dtype}{self._extras_tag()}"

@@ -17,6 +17,7 @@ from torch import Tensor
 from mesh_hicache.layout import tp_split
 from runtime.model.config import ModelConfig
 from runtime.model.parallel import AxisComm
+from runtime.model.select import top_k, top_k_mask
 from runtime.model.weights import WeightSource
 
 
@@ -73,7 +74,8 @@ class MoE:
     ``sigmoid`` router: scores = sigmoid(logits); experts chosen by top-k of
     ``scores + bias`` inside the ``router_topk_groups`` best groups (a group's value is
     the sum of its two best biased scores); weights = the chosen scores, divided by their
-    sum when ``router_normalize``, times ``router_scale`` (Nemotron-H).
+    sum when ``router_normalize``, times ``router_scale`` (Nemotron-H). Tied scores go to
+    the lower expert / group id (``runtime.model.select``).
     """
 
     def __init__(
@@ -107,7 +109,7 @@ class MoE:
         c = self.config
         logits = F.linear(x, self.router).float()
         if self.router_bias is None:
-            top, ids = logits.topk(c.experts_per_token, dim=-1)
+            top, ids = top_k(logits, c.experts_per_token)
             return ids, torch.softmax(top, dim=-1)
         scores = logits.sigmoid()
         choice = scores + self.router_bias
@@ -115,10 +117,9 @@ class MoE:
         if groups > 1:
             per_group = choice.view(x.shape[0], groups, c.num_experts // groups)
             group_value = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
-            best = group_value.topk(c.router_topk_groups, dim=-1).indices
-            keep = torch.zeros_like(group_value, dtype=torch.bool).scatter_(1, best, True)
+            keep = top_k_mask(group_value, c.router_topk_groups)
             choice = choice.masked_fill(~keep.repeat_interleave(per_group.shape[-1], 1), -torch.inf)
-        ids = choice.topk(c.experts_per_token, dim=-1).indices
+        ids = top_k(choice, c.experts_per_token)[1]
         weights = scores.gather(1, ids)
         if c.router_normalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

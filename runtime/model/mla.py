@@ -12,7 +12,9 @@ Per token the layer caches two small tensors, both the same on every tp rank:
 
 The indexer scores every previous token ``t`` for query ``s`` as
 ``sum_h w[s, h] * relu(q_idx[s, h] . k_idx[t]) * Di^-0.5`` (``w = x @ weights_proj *
-Hi^-0.5``, ``q_idx`` from the compressed query) and keeps the ``index_topk`` best; the
+Hi^-0.5``, ``q_idx`` from the compressed query) and keeps the ``index_topk`` best (among
+equal scores the lower positions: ``runtime.model.select``; transformers' ``topk`` keeps
+an arbitrary shape-dependent subset of tied keys); the
 query attends (softmax) to those keys only. Top-k needs every previous token's indexer
 key, so under cp the ranks all-gather the new tokens' latents and indexer keys (and the
 cached prefix's shards under ``cp_kv="shard"``, in prefill and in decode): every rank
@@ -39,6 +41,7 @@ from mesh_hicache.layout import tp_split
 from runtime.model.config import ModelConfig
 from runtime.model.layers import rms_norm
 from runtime.model.parallel import AxisComm
+from runtime.model.select import top_k_mask
 from runtime.model.state import AttentionRows, SeqState
 from runtime.model.weights import WeightSource
 
@@ -172,9 +175,9 @@ class MLAttention:
         index = torch.matmul(w_idx.unsqueeze(-2), scores).squeeze(-2)  # [T, L]
         causal = torch.arange(k_idx.shape[0], device=q_pos.device)[None, :] <= q_pos[:, None]
         index = index.masked_fill_(~causal, float("-inf"))
-        top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
-        chosen = torch.zeros_like(causal).scatter_(1, top, True)
-        return chosen & causal
+        # Many keys score exactly 0 (every head's relu cut them): ties at the k-th place
+        # go to the lower position, so every split of the prompt keeps the same keys.
+        return top_k_mask(index, self.topk) & causal
 
     def _attend(self, q: Tensor, latent: Tensor, allowed: Tensor, dtype: torch.dtype) -> Tensor:
         """Softmax attention of ``q`` over the ``allowed`` keys of ``latent``; returns this

@@ -18,6 +18,7 @@ NUM_PAGES, NUM_SLOTS = 3, 2
 def make_spec(kv_heads: int) -> StateSpec:
     # 5 layers: pp=2 gives stages [0,3) and [3,5); kv 0,1,4 -> 2 and 1 per stage (padded).
     return StateSpec(
+        model_id="test-model",
         page_size=4,
         kv=KVSpec(layer_ids=(0, 1, 4), num_kv_heads=kv_heads, head_dim=3),
         mamba=MambaSpec(

@@ -60,7 +60,7 @@ def test_cost_model_from_spec_counts_the_spec_bytes():
     mamba = MambaSpec(
         layer_ids=(1,), conv_dim=8, conv_kernel=4, num_heads=2, head_dim=4, state_dim=16
     )
-    cost = CostModel.from_spec(StateSpec(page_size=PS, kv=kv, mamba=mamba))
+    cost = CostModel.from_spec(StateSpec(model_id="test-model", page_size=PS, kv=kv, mamba=mamba))
     assert cost.kv_bytes_per_token == 2 * 2 * 2 * 8 * 2  # layers x (K, V) x heads x dim x fp16
     assert cost.state_bytes == (8 * 3 + 2 * 4 * 16) * 4  # conv (kernel - 1) + ssm, fp32
     assert cost.flops_per_token > 0 and cost.flops_per_key > 0
@@ -346,7 +346,7 @@ def test_config_selects_the_policy(one_rank_topology):
     mamba = MambaSpec(
         layer_ids=(1,), conv_dim=2, conv_kernel=2, num_heads=1, head_dim=2, state_dim=2
     )
-    spec = StateSpec(page_size=PS, kv=kv, mamba=mamba)
+    spec = StateSpec(model_id="test-model", page_size=PS, kv=kv, mamba=mamba)
     kinds = (("lru", LRUPolicy), ("cost", DecayCostPolicy), ("adaptive", AdaptiveCostPolicy))
     for name, kind in kinds:
         config = HiCacheConfig(device_pages=8, enable_host=False, eviction_policy=name)

@@ -27,6 +27,7 @@ MAMBA_LAYERS = (3, 5, 6)
 
 def hybrid_spec(kv_heads: int, *, mla: bool = False, page_size: int = 8) -> StateSpec:
     return StateSpec(
+        model_id="test-model",
         page_size=page_size,
         kv=KVSpec(layer_ids=KV_LAYERS, num_kv_heads=kv_heads, head_dim=4, mla=mla),
         mamba=MambaSpec(
@@ -38,6 +39,7 @@ def hybrid_spec(kv_heads: int, *, mla: bool = False, page_size: int = 8) -> Stat
 
 def kv_only_spec(kv_heads: int, num_layers: int = 5) -> StateSpec:
     return StateSpec(
+        model_id="test-model",
         page_size=4,
         kv=KVSpec(layer_ids=tuple(range(num_layers)), num_kv_heads=kv_heads, head_dim=2),
     )
@@ -111,6 +113,7 @@ def _specs():
     yield hybrid_spec(1, mla=True)
     yield kv_only_spec(2, num_layers=3)
     yield StateSpec(
+        model_id="test-model",
         page_size=4,
         mamba=MambaSpec(
             layer_ids=(0, 1, 2), conv_dim=8, conv_kernel=2, num_heads=8, head_dim=1, state_dim=2
@@ -202,6 +205,7 @@ def test_uneven_stages_pad_layer_dim():
 
 def test_stage_without_family_has_no_writer():
     spec = StateSpec(
+        model_id="test-model",
         page_size=4,
         kv=KVSpec(layer_ids=(0, 1), num_kv_heads=2, head_dim=2),
         mamba=MambaSpec(
@@ -238,6 +242,7 @@ def test_shard_with_cp1_warns():
 
 def test_region_bytes_and_dtypes():
     spec = StateSpec(
+        model_id="test-model",
         page_size=4,
         kv=KVSpec(layer_ids=(0,), num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
         mamba=MambaSpec(

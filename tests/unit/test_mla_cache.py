@@ -82,7 +82,9 @@ def test_values_is_part_of_what_a_spec_is():
     a = KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=4, mla=True, values=False)
     b = KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=4, mla=True)
     assert a != b and b.num_parts == 2
-    assert StateSpec(page_size=4, kv=a) != StateSpec(page_size=4, kv=b)
+    assert StateSpec(model_id="test-model", page_size=4, kv=a) != StateSpec(
+        model_id="test-model", page_size=4, kv=b
+    )
     with pytest.raises(ValueError, match="KVSpec.values must be a bool"):
         KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=4, values=0)  # type: ignore[arg-type]
 

@@ -15,6 +15,7 @@ from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
 
 def spec() -> StateSpec:
     return StateSpec(
+        model_id="test-model",
         page_size=8,
         kv=KVSpec(layer_ids=(0, 2, 3), num_kv_heads=4, head_dim=6, dtype=torch.bfloat16),
         mamba=MambaSpec(

@@ -18,6 +18,7 @@ from mesh_hicache.tiers.reshard import MeshLayoutId
 
 NS = KeyNamespace("m", "float32", 1)
 SPEC = StateSpec(
+    model_id="test-model",
     page_size=4,
     kv=KVSpec(layer_ids=(0, 2), num_kv_heads=4, head_dim=2),
     mamba=MambaSpec(

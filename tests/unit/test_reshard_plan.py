@@ -45,19 +45,27 @@ def _specs() -> dict[str, StateSpec]:
     )
     return {
         "hybrid_groups": StateSpec(
+            model_id="test-model",
             page_size=4,
             kv=KVSpec(layer_ids=(0, 2), num_kv_heads=2, head_dim=3),
             mamba=grouped,
             indexer=IndexerSpec(layer_ids=(2,), key_dim=2),
         ),
         "hybrid_headmajor": StateSpec(
-            page_size=4, kv=KVSpec(layer_ids=(0, 2), num_kv_heads=4, head_dim=2), mamba=headmajor
+            model_id="test-model",
+            page_size=4,
+            kv=KVSpec(layer_ids=(0, 2), num_kv_heads=4, head_dim=2),
+            mamba=headmajor,
         ),
         "kv_gqa1": StateSpec(
-            page_size=4, kv=KVSpec(layer_ids=tuple(range(5)), num_kv_heads=1, head_dim=2)
+            model_id="test-model",
+            page_size=4,
+            kv=KVSpec(layer_ids=tuple(range(5)), num_kv_heads=1, head_dim=2),
         ),
         "mla": StateSpec(
-            page_size=4, kv=KVSpec(layer_ids=tuple(range(3)), num_kv_heads=1, head_dim=4, mla=True)
+            model_id="test-model",
+            page_size=4,
+            kv=KVSpec(layer_ids=tuple(range(3)), num_kv_heads=1, head_dim=4, mla=True),
         ),
     }
 
@@ -255,7 +263,7 @@ def _served_spec() -> StateSpec:
         conv_dtype=torch.bfloat16,
     )
     kv = KVSpec(layer_ids=(3, 7), num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
-    return StateSpec(page_size=16, kv=kv, mamba=mamba)
+    return StateSpec(model_id="test-model", page_size=16, kv=kv, mamba=mamba)
 
 
 def _cost(spec: StateSpec, writer: MeshLayoutId, reader: MeshLayoutId) -> dict[str, float]:

@@ -19,7 +19,9 @@ def mamba(**kw):
 
 
 def test_hybrid_spec():
-    spec = StateSpec(page_size=16, kv=kv(), mamba=mamba(ssm_dtype=torch.bfloat16))
+    spec = StateSpec(
+        model_id="test-model", page_size=16, kv=kv(), mamba=mamba(ssm_dtype=torch.bfloat16)
+    )
     assert spec.num_layers == 4 and spec.families == (Family.KV, Family.MAMBA)
     assert spec.layer_family(2) is Family.MAMBA and spec.layer_family(3) is Family.KV
     assert spec.mamba.conv_shape == (32, 3) and spec.mamba.ssm_shape == (4, 4, 8)
@@ -30,7 +32,10 @@ def test_hybrid_spec():
 @pytest.mark.parametrize(
     ("make", "field"),
     [
-        (lambda: StateSpec(page_size=0, kv=kv(layer_ids=(0, 1))), "page_size"),
+        (
+            lambda: StateSpec(model_id="test-model", page_size=0, kv=kv(layer_ids=(0, 1))),
+            "page_size",
+        ),
         (lambda: kv(num_kv_heads=-1), "num_kv_heads"),
         (lambda: kv(head_dim=0), "head_dim"),
         (lambda: kv(layer_ids=()), "layer_ids"),
@@ -39,15 +44,28 @@ def test_hybrid_spec():
         (lambda: mamba(conv_dim=30), "conv_dim"),
         (lambda: mamba(state_dim=-2), "state_dim"),
         (lambda: mamba(ssm_dtype="float32"), "ssm_dtype"),
-        (lambda: StateSpec(page_size=4, kv=kv(layer_ids=(0, 2)), mamba=mamba()), "overlap"),
-        (
-            lambda: StateSpec(page_size=4, kv=kv(layer_ids=(0, 5)), mamba=mamba(layer_ids=(1,))),
-            "cover",
-        ),
-        (lambda: StateSpec(page_size=4), "neither"),
         (
             lambda: StateSpec(
-                page_size=4, kv=kv(layer_ids=(0,)), indexer=IndexerSpec(layer_ids=(1,), key_dim=4)
+                model_id="test-model", page_size=4, kv=kv(layer_ids=(0, 2)), mamba=mamba()
+            ),
+            "overlap",
+        ),
+        (
+            lambda: StateSpec(
+                model_id="test-model",
+                page_size=4,
+                kv=kv(layer_ids=(0, 5)),
+                mamba=mamba(layer_ids=(1,)),
+            ),
+            "cover",
+        ),
+        (lambda: StateSpec(model_id="test-model", page_size=4), "neither"),
+        (
+            lambda: StateSpec(
+                model_id="test-model",
+                page_size=4,
+                kv=kv(layer_ids=(0,)),
+                indexer=IndexerSpec(layer_ids=(1,), key_dim=4),
             ),
             "indexer",
         ),
@@ -62,7 +80,7 @@ def test_bad_specs(make, field):
     ("heads", "tp", "ok"), [(8, 2, True), (2, 8, True), (6, 4, False), (3, 2, False)]
 )
 def test_check_tp_kv_heads(heads, tp, ok):
-    spec = StateSpec(page_size=4, kv=kv(layer_ids=(0,), num_kv_heads=heads))
+    spec = StateSpec(model_id="test-model", page_size=4, kv=kv(layer_ids=(0,), num_kv_heads=heads))
     if ok:
         spec.check_tp(tp)
     else:
@@ -71,6 +89,8 @@ def test_check_tp_kv_heads(heads, tp, ok):
 
 
 def test_check_tp_mamba_heads():
-    spec = StateSpec(page_size=4, mamba=mamba(layer_ids=(0,), num_heads=4, conv_dim=8))
+    spec = StateSpec(
+        model_id="test-model", page_size=4, mamba=mamba(layer_ids=(0,), num_heads=4, conv_dim=8)
+    )
     with pytest.raises(ValueError, match="num_heads=4 must be divisible by tp=8"):
         spec.check_tp(8)

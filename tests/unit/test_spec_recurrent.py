@@ -21,7 +21,7 @@ def _spec() -> StateSpec:
         key_dim=DK, value_dim=DV, conv_kernel=K,
     )  # fmt: skip
     kv = KVSpec(layer_ids=(2,), num_kv_heads=2, head_dim=8)
-    return StateSpec(page_size=8, kv=kv, mamba=rec)
+    return StateSpec(model_id="test-model", page_size=8, kv=kv, mamba=rec)
 
 
 def test_gated_deltanet_shapes() -> None:

@@ -21,6 +21,7 @@ LAYERS = (0, 1, 2, 3, 4, 5)
 
 def spec() -> StateSpec:
     return StateSpec(
+        model_id="test-model",
         page_size=4,
         kv=KVSpec(layer_ids=(0, 1, 3, 5), num_kv_heads=2, head_dim=8, dtype=torch.bfloat16),
         mamba=MambaSpec(
@@ -107,6 +108,7 @@ def one_layer_spec() -> StateSpec:
     # One layer per region: indexer and Mamba host rows are contiguous across pages, so
     # consecutive pairs are merged into one copy; kv rows (K and V interleaved) are not.
     return StateSpec(
+        model_id="test-model",
         page_size=2,
         kv=KVSpec(layer_ids=(0,), num_kv_heads=1, head_dim=4, dtype=torch.float16),
         mamba=MambaSpec(
