@@ -69,7 +69,9 @@ class DenseMLP:
 class MoE:
     """Top-k routed experts plus an optional shared expert.
 
-    ``softmax`` router: top-k of the logits, weights = softmax over those k (Granite).
+    ``softmax`` router: top-k of the logits, weights = softmax over those k (Granite);
+    without ``router_normalize``, the top-k of the softmax over all experts (Qwen3-MoE's
+    ``norm_topk_prob=False``).
     ``sigmoid`` router: scores = sigmoid(logits); experts chosen by top-k of
     ``scores + bias`` inside the ``router_topk_groups`` best groups (a group's value is
     the sum of its two best biased scores); weights = the chosen scores, divided by their
@@ -107,6 +109,9 @@ class MoE:
         c = self.config
         logits = F.linear(x, self.router).float()
         if self.router_bias is None:
+            if not c.router_normalize:  # the top-k of the softmax over all experts
+                top, ids = torch.softmax(logits, dim=-1).topk(c.experts_per_token, dim=-1)
+                return ids, top
             top, ids = logits.topk(c.experts_per_token, dim=-1)
             return ids, torch.softmax(top, dim=-1)
         scores = logits.sigmoid()
