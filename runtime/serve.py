@@ -143,7 +143,7 @@ def check_args(args: argparse.Namespace) -> None:
     config = choice.config
     if args.prompts:
         tokenizer_path = choice.checkpoint.tokenizer_path if choice.checkpoint else None
-        eos = choice.checkpoint.eos_token_id if choice.checkpoint else None
+        eos = choice.checkpoint.eos_token_ids if choice.checkpoint else ()
         prompts = load_prompts(args.prompts, config.vocab_size, load_tokenizer(tokenizer_path), eos)
     config.check_mesh(
         tp=args.tp, cp=args.cp, pp=args.pp, page_size=args.page_size, cp_kv=args.cp_kv
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     checkpoint = choose_model(args.model, config.dtype).checkpoint
     tokenizer = load_tokenizer(checkpoint.tokenizer_path if checkpoint else None)
     if args.prompts:
-        eos = checkpoint.eos_token_id if checkpoint else None
+        eos = checkpoint.eos_token_ids if checkpoint else ()
         trace = load_prompts(args.prompts, config.vocab_size, tokenizer, eos)
     else:
         trace = workload(args, config.vocab_size)

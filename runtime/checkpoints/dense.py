@@ -67,7 +67,9 @@ class DenseAdapter:
         if v("hidden_act", "silu") != "silu":
             raise unsupported(arch, f"hidden_act={v('hidden_act', '')!r}")
         if arch == MISTRAL and v("sliding_window", None):
-            raise unsupported(arch, f"sliding_window={v('sliding_window', None)} (windowed attention)")
+            raise unsupported(
+                arch, f"sliding_window={v('sliding_window', None)} (windowed attention)"
+            )
         if v("use_sliding_window", False):
             raise unsupported(arch, "use_sliding_window=True (windowed attention)")
         d, heads = v("hidden_size", 4096), v("num_attention_heads", 32)

@@ -59,6 +59,7 @@ class GatedAttention(Attention):
         t, e = x.shape[0], self.head_dim
         hq, hk = self.num_heads * e, self.num_kv_heads * e
         q, k, v, gate = F.linear(x, self.wqkv).split([hq, hk, hk, hq], dim=-1)
+        assert self.q_norm is not None and self.k_norm is not None
         q = rms_norm(q.reshape(t, self.num_heads, e), self.q_norm, self.eps)
         k = rms_norm(k.reshape(t, self.num_kv_heads, e), self.k_norm, self.eps)
         v = v.reshape(t, self.num_kv_heads, e)

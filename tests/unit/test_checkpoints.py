@@ -105,6 +105,27 @@ def test_config_follows_the_checkpoint(root: Path) -> None:
         "sigmoid",
     )
     assert n.layer_blocks() == [[0, 1, 2], [3, 4], [5], [6]]
+    assert (c.scan_chunk, b.scan_chunk, n.scan_chunk) == (16, 16, 16)  # the checkpoints'
+
+
+def test_checkpoint_chunk_size_stays_within_tolerance(root: Path, tmp_path: Path) -> None:
+    # Granite 4.0-H saves mamba_chunk_size 128: a 300-token prompt crosses chunk borders
+    # at 128 and 256; the logits equal the 16-token chunks' within ATOL.
+    import os
+
+    directory = build("granite_moe", root)
+    hf = json.loads((directory / "config.json").read_text()) | {"mamba_chunk_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    os.symlink(directory / "model.safetensors", tmp_path / "model.safetensors")
+    wide = load_checkpoint(tmp_path)
+    assert wide.config.scan_chunk == 128
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for ckpt in (wide, load_checkpoint(directory)):
+        model = HybridModel(ckpt.config, weights=ckpt.weights)
+        logits.append(model.prefill(ids, model.new_state(), all_logits=True))
+    assert logits[0].abs().max() > 1.0
+    torch.testing.assert_close(logits[0], logits[1], atol=ATOL, rtol=0)
 
 
 def test_dense_config_follows_the_checkpoint(root: Path) -> None:
@@ -142,6 +163,28 @@ def test_dense_unsupported_feature_is_a_clear_error(
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=message):
         load_checkpoint(tmp_path)
+
+
+def test_stop_ids_as_transformers_takes_them(root: Path, tmp_path: Path) -> None:
+    # generation_config.json first (a list allowed), then config.json, then the tokenizer.
+    from runtime.checkpoints.loader import stop_ids
+
+    hf = json.loads((build("llama", root) / "config.json").read_text())
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"eos_token_id": None}))
+    assert stop_ids(tmp_path) == ()
+    tokens = {"added_tokens": [{"id": 5, "content": "<|end|>"}], "model": {"vocab": {"x": 9}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokens))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    assert stop_ids(tmp_path) == (5,)
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"eos_token_id": [2, 3]}))
+    assert stop_ids(tmp_path) == (2, 3)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8, 7]}))
+    assert stop_ids(tmp_path) == (7, 8)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+    assert stop_ids(tmp_path) == (4,)
+    assert load_checkpoint(build("llama", root)).eos_token_ids == (2,)  # LlamaConfig's
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path: Path) -> None:
