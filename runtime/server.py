@@ -49,6 +49,7 @@ from aiohttp import web
 import runtime.serve as serve
 from mesh_hicache.cache import HiCache
 from mesh_hicache.topology import MeshTopology
+from runtime.budgets import apply_budgets, budget_line
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine
 from runtime.launch import LaunchError, exit_process, init_mesh, mesh_failure
@@ -137,6 +138,7 @@ class Server:
         self.name = served_name(args)
         self.model = serve.build_model(args, topology)
         config = self.model.config
+        self.budgets = apply_budgets(args, topology) if args.cache != "off" else ""
         cfg = serve.cache_config(args)
         self.cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
         self.engine = Engine(self.model, self.cache, max_new_tokens=args.max_new_tokens)
@@ -391,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _lead(server: Server) -> int:
+    if server.cache is not None:
+        line = budget_line(server.cache, server.args.page_size, server.budgets)
+        print(f"runtime.server: {line}", flush=True)
     server.start_worker()
 
     async def main_loop() -> None:
