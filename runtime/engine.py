@@ -44,9 +44,13 @@ class Engine:
 
     def start(self, turn: Turn) -> RequestRun:
         """The run of ``turn`` (nothing matched yet): its prompt is its session's history +
-        its user tokens; a ``stop_token`` ends it after that token."""
+        its user tokens; a ``stop_token`` (or any of ``stop_tokens``) ends it after that
+        token."""
         prompt = self.histories.get(turn.session, []) + list(turn.user_tokens)
-        hook = None if turn.stop_token is None else stop_at(turn.stop_token)
+        stops = set(turn.stop_tokens)
+        if turn.stop_token is not None:
+            stops.add(turn.stop_token)
+        hook = stop_at(*stops) if stops else None
         num_new = self.max_new_tokens if turn.max_new_tokens is None else turn.max_new_tokens
         return RequestRun(self, prompt, turn.namespace, turn.tenant, num_new, hook)
 

@@ -11,8 +11,8 @@ next turns, the prompt being the session's history, i.e. previous prompt + answe
 this line's tokens), ``"max_new_tokens"`` (default: ``--max-new-tokens``) and
 ``"tenant"`` (a string: the request's cache tenant, default ``--tenant``; tenants share
 no cache entry in any tier) and ``"stop_at_eos"`` (a boolean, default false: end the
-answer at the checkpoint's ``eos_token_id``, included in the output, instead of always
-generating ``max_new_tokens``), ``"arrival_s"`` (a number >= 0: trace seconds at which a
+answer at any of the checkpoint's end-of-sequence ids, included in the output, instead
+of always generating ``max_new_tokens``), ``"arrival_s"`` (a number >= 0: trace seconds at which a
 session's first turn arrives; on a later turn "not before") and ``"think_s"`` (a number
 >= 0: a later turn arrives this long after its session's previous answer). Times are
 honoured by ``runtime.serve``'s scheduler path (real-time replay). Blank lines are
@@ -22,6 +22,7 @@ skipped. Requests are served in file order.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,13 @@ def load_tokenizer(path: Path | None) -> Any:
 
 
 def load_prompts(
-    path: str | Path, vocab_size: int, tokenizer: Any = None, eos_token_id: int | None = None
+    path: str | Path,
+    vocab_size: int,
+    tokenizer: Any = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> list[Turn]:
     """The trace of ``path``; ``ValueError`` naming the line of any bad request.
-    ``eos_token_id``: the checkpoint's end-of-sequence id (``stop_at_eos`` needs one)."""
+    ``eos_token_ids``: the checkpoint's end-of-sequence ids (``stop_at_eos`` needs one)."""
     turns: list[Turn] = []
     sessions: dict[str, int] = {}
     next_turn: dict[int, int] = {}
@@ -84,7 +88,7 @@ def load_prompts(
         stop_at_eos = item.get("stop_at_eos", False)
         if not isinstance(stop_at_eos, bool):
             raise ValueError(f"{where}: stop_at_eos must be a boolean, got {stop_at_eos!r}")
-        if stop_at_eos and eos_token_id is None:
+        if stop_at_eos and not eos_token_ids:
             raise ValueError(f"{where}: stop_at_eos, but the model names no eos_token_id")
         times: dict[str, float] = {}
         for key in ("arrival_s", "think_s"):
@@ -100,7 +104,7 @@ def load_prompts(
                 f"{where}: think_s={times['think_s']!r} on a session's first turn (it has no "
                 "previous answer); give arrival_s"
             )
-        stop = eos_token_id if stop_at_eos else None
+        stops = tuple(eos_token_ids) if stop_at_eos else ()
         turns.append(
             Turn(
                 len(turns),
@@ -109,7 +113,7 @@ def load_prompts(
                 tuple(ids),
                 max_new_tokens=max_new,
                 tenant=tenant,
-                stop_token=stop,
+                stop_tokens=stops,
                 arrival_s=times.get("arrival_s"),
                 think_s=times.get("think_s", 0.0),
             )

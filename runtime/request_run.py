@@ -41,9 +41,10 @@ TokenHook = Callable[[int], bool]
 """Called with each generated token id; True ends the request after that token."""
 
 
-def stop_at(token_id: int) -> TokenHook:
-    """The hook that ends a request after ``token_id`` (e.g. end of sequence)."""
-    return lambda token: token == token_id
+def stop_at(*token_ids: int) -> TokenHook:
+    """The hook that ends a request after any of ``token_ids`` (e.g. end of sequence)."""
+    stops = frozenset(token_ids)
+    return lambda token: token in stops
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from mesh_hicache.choices import StorageKind
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.pools.arena import mesh_plan
 from mesh_hicache.topology import MeshTopology
+from runtime.budgets import Machine, apply_budgets, budget_line, check_budgets
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine, RequestResult
 from runtime.launch import (
@@ -149,12 +150,13 @@ def check_args(args: argparse.Namespace) -> None:
     config = choice.config
     if args.prompts:
         tokenizer_path = choice.checkpoint.tokenizer_path if choice.checkpoint else None
-        eos = choice.checkpoint.eos_token_id if choice.checkpoint else None
+        eos = choice.checkpoint.eos_token_ids if choice.checkpoint else ()
         prompts = load_prompts(args.prompts, config.vocab_size, load_tokenizer(tokenizer_path), eos)
     config.check_mesh(
         tp=args.tp, cp=args.cp, pp=args.pp, page_size=args.page_size, cp_kv=args.cp_kv
     )
     spec = config.state_spec(args.page_size)
+    check_budgets(args, Machine.detect())
     cfg = cache_config(args)
     if cfg is not None:  # a byte budget must hold a page and a state on every rank
         shape = (args.pp, args.cp, args.tp)
@@ -260,6 +262,7 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     """Build model, cache and engine on this rank and serve the workload. Collective."""
     model = build_model(args, topology)
     config = model.config
+    budgets = apply_budgets(args, topology) if args.cache != "off" else ""
     cfg = cache_config(args)
     leader = topology.coords == (0, 0, 0)
     # How warm L3 is before this run writes to it (rank 0 reads the file root).
@@ -270,13 +273,15 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
     checkpoint = choose_model(args.model, config.dtype, model_id=args.model_id).checkpoint
     tokenizer = load_tokenizer(checkpoint.tokenizer_path if checkpoint else None)
     if args.prompts:
-        eos = checkpoint.eos_token_id if checkpoint else None
+        eos = checkpoint.eos_token_ids if checkpoint else ()
         trace = load_prompts(args.prompts, config.vocab_size, tokenizer, eos)
     else:
         trace = workload(args, config.vocab_size)
     trace = timed_trace(args, trace)
     engine = Engine(model, cache, max_new_tokens=args.max_new_tokens, keep_logits=args.dump_logits)
     log = logging.getLogger("runtime.serve")
+    if leader and cache is not None:
+        log.info("runtime.serve: %s", budget_line(cache, args.page_size, budgets))
     l1_pages = cache.device.max_pages if cache is not None else 0  # an empty L1's pages
     if leader and cache is not None:
         flag = "--device-bytes" if args.device_bytes else "--device-pages"

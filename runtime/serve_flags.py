@@ -105,9 +105,22 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_cache_args(p: argparse.ArgumentParser) -> None:
-    """Pool sizes and policies (shared with ``scripts/bench_serving.py``)."""
-    p.add_argument("--device-pages", type=int, default=64, help="L1 pages per rank")
+def add_cache_args(p: argparse.ArgumentParser, machine_sized: bool = False) -> None:
+    """Pool sizes and policies (shared with ``scripts/bench_serving.py``). With
+    ``machine_sized`` (``runtime.serve`` / ``runtime.server``), no size flag sizes L1 and
+    L2 from the machine (``runtime.budgets``); else L1 is 64 pages by default."""
+    p.add_argument(
+        "--device-pages",
+        type=int,
+        default=None if machine_sized else 64,
+        help="L1 pages per rank"
+        + (
+            " (default, with no --device-bytes either: sized from the machine, "
+            "see docs/performance_server.md)"
+            if machine_sized
+            else ""
+        ),
+    )
     p.add_argument("--host-pages", type=int, default=0, help="L2 pages; 0 = 4 x device pages")
     p.add_argument(
         "--device-bytes",
@@ -152,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_mesh_args(p)
     add_run_args(p)
-    add_cache_args(p)
+    add_cache_args(p, machine_sized=True)
     p.add_argument(
         "--cache",
         choices=CACHE_MODES,
@@ -232,9 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
-    """The ``HiCacheConfig`` for ``--cache`` (None for ``off``)."""
+    """The ``HiCacheConfig`` for ``--cache`` (None for ``off``). Budgets no flag gave are
+    sized from this machine (``runtime.budgets``; a run agrees on them over the mesh first)."""
     if args.cache == "off":
         return None
+    if args.device_pages is None:
+        from runtime.budgets import Machine, size_from_machine
+
+        args = argparse.Namespace(**vars(args))
+        size_from_machine(args, Machine.detect())
     storage, options = StorageKind.NONE, {}
     if args.cache == "full":
         storage = StorageKind(args.storage)

@@ -49,6 +49,7 @@ from aiohttp import web
 import runtime.serve as serve
 from mesh_hicache.cache import HiCache
 from mesh_hicache.topology import MeshTopology
+from runtime.budgets import apply_budgets, budget_line
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine
 from runtime.launch import LaunchError, exit_process, init_mesh, mesh_failure
@@ -137,6 +138,7 @@ class Server:
         self.name = served_name(args)
         self.model = serve.build_model(args, topology)
         config = self.model.config
+        self.budgets = apply_budgets(args, topology) if args.cache != "off" else ""
         cfg = serve.cache_config(args)
         self.cache = HiCache(topology, config.state_spec(args.page_size), cfg) if cfg else None
         self.engine = Engine(self.model, self.cache, max_new_tokens=args.max_new_tokens)
@@ -144,7 +146,7 @@ class Server:
         self.codec = TextCodec.from_checkpoint_dir(
             checkpoint.path if checkpoint else None,
             config.vocab_size,
-            checkpoint.eos_token_id if checkpoint else None,
+            checkpoint.eos_token_ids if checkpoint else (),
         )
         self.leader = topology.coords == (0, 0, 0)
         # A gloo group of the whole mesh for rank 0's broadcasts (None on one rank).
@@ -255,13 +257,14 @@ class Server:
             return error_response(400, str(err))
         if not self.healthy:
             return error_response(503, "the engine has stopped", "server_error")
-        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), self.codec.eos_token_id)
+        stops = () if params.ignore_eos else self.codec.eos_token_ids
+        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), stops)
         self.queue.put(job)
         reply = Reply(self, chat, len(prompt))
         if params.stream:
-            return await self._stream(request, job, reply, params.include_usage)
+            return await self._stream(request, job, reply, params.include_usage, stops)
         try:
-            outcome, output = await collect(job, self.codec.eos_token_id)
+            outcome, output = await collect(job, stops)
         except asyncio.CancelledError:  # the client went away
             job.cancel()
             raise
@@ -270,7 +273,12 @@ class Server:
         return web.json_response(reply.whole(output, outcome))
 
     async def _stream(
-        self, request: web.Request, job: Job, reply: Reply, include_usage: bool
+        self,
+        request: web.Request,
+        job: Job,
+        reply: Reply,
+        include_usage: bool,
+        stops: tuple[int, ...],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -286,7 +294,7 @@ class Server:
             while True:
                 kind, value = await job.events.get()
                 if kind == "token":
-                    if stopped or value == self.codec.eos_token_id:
+                    if stopped or value in stops:
                         stopped = True
                         continue
                     output.append(value)
@@ -311,16 +319,16 @@ class Server:
         return response
 
 
-async def collect(job: Job, eos_token_id: int | None) -> tuple[JobOutcome, list[int]]:
-    """Await a job's end: its outcome and its output up to (not including) the end of
-    sequence. ``RuntimeError`` with the engine's message if it failed."""
+async def collect(job: Job, stops: tuple[int, ...]) -> tuple[JobOutcome, list[int]]:
+    """Await a job's end: its outcome and its output up to (not including) the first of
+    ``stops`` (the end of sequence). ``RuntimeError`` with the engine's message if it
+    failed."""
     while True:
         kind, value = await job.events.get()
         if kind == "done":
             ids = list(value.output_ids)
-            if eos_token_id is not None and eos_token_id in ids:
-                ids = ids[: ids.index(eos_token_id)]
-            return value, ids
+            cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+            return value, ids[:cut]
         if kind == "error":
             raise RuntimeError(str(value))
 
@@ -385,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _lead(server: Server) -> int:
+    if server.cache is not None:
+        line = budget_line(server.cache, server.args.page_size, server.budgets)
+        print(f"runtime.server: {line}", flush=True)
     server.start_worker()
 
     async def main_loop() -> None:

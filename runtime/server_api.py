@@ -20,10 +20,14 @@ if TYPE_CHECKING:
 class RequestParams:
     """The generation parameters of a request body (``ValueError`` naming a bad one)."""
 
-    def __init__(self, max_tokens: int, stream: bool, include_usage: bool) -> None:
+    def __init__(
+        self, max_tokens: int, stream: bool, include_usage: bool, ignore_eos: bool = False
+    ) -> None:
         self.max_tokens = max_tokens
         self.stream = stream
         self.include_usage = include_usage
+        self.ignore_eos = ignore_eos
+        """Generate ``max_tokens`` whatever the tokens (vLLM's extension)."""
 
     @classmethod
     def parse(cls, body: dict[str, Any], default: int, limit: int) -> RequestParams:
@@ -43,7 +47,10 @@ class RequestParams:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ValueError("'stream_options' must be an object")
-        return cls(max_tokens, stream, bool(options.get("include_usage")))
+        ignore_eos = body.get("ignore_eos") or False
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
+        return cls(max_tokens, stream, bool(options.get("include_usage")), ignore_eos)
 
 
 class Reply:

@@ -48,8 +48,8 @@ log = logging.getLogger("runtime.server")
 # Rank 0's flag of one iteration.
 _QUIET, _NEWS, _STOP = 0, 1, 2
 
-NewJob = tuple[int, list[int], int, int | None]
-"""What the other ranks learn of a joining job: (key, prompt, max_new_tokens, eos id)."""
+NewJob = tuple[int, list[int], int, tuple[int, ...]]
+"""What the other ranks learn of a joining job: (key, prompt, max_new_tokens, stop ids)."""
 
 
 class BatchRun:
@@ -85,17 +85,17 @@ class BatchRun:
             if job is not None:
                 job.emit("done", JobOutcome([], 0, True, None))
             self._check_pending = self.cache is not None
-        for key, prompt, max_new, eos in new:
-            self._submit(key, prompt, max_new, eos)
+        for key, prompt, max_new, stops in new:
+            self._submit(key, prompt, max_new, stops)
         self._count()
 
-    def _submit(self, key: int, prompt: list[int], max_new: int, eos: int | None) -> None:
+    def _submit(self, key: int, prompt: list[int], max_new: int, stops: tuple[int, ...]) -> None:
         job = self.jobs.get(key)
         engine = self.scheduler.engine
         try:
             # The same hook on every rank (only rank 0 has a job to stream to): checkpoint
             # placement depends on whether a request has one.
-            run = RequestRun(engine, prompt, "", None, max_new, self._hook(job, eos))
+            run = RequestRun(engine, prompt, "", None, max_new, self._hook(job, stops))
         except ValueError as err:  # the same on every rank (replicated checks)
             self.jobs.pop(key, None)
             with self.counters.lock:
@@ -108,11 +108,11 @@ class BatchRun:
         self.scheduler.submit(OnlineRequest(key, run, lambda result: self._finished(key, result)))
 
     @staticmethod
-    def _hook(job: Job | None, eos: int | None) -> TokenHook:
+    def _hook(job: Job | None, stops: tuple[int, ...]) -> TokenHook:
         def on_token(token: int) -> bool:
             if job is not None:
                 job.emit("token", token)
-            return token == eos
+            return token in stops
 
         return on_token
 
@@ -215,7 +215,7 @@ class BatchWorker(threading.Thread):
                 key = self._next_key
                 self._next_key += 1
                 self.jobs[key] = item
-                new.append((key, item.prompt, item.max_new_tokens, item.eos_token_id))
+                new.append((key, item.prompt, item.max_new_tokens, item.stop_ids))
         return new
 
 

@@ -43,17 +43,18 @@ class TextCodec:
         tokenizer: Any = None,
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
-        eos_token_id: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.special_tokens = dict(special_tokens or {})
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        """Where generation stops (the checkpoint's end-of-sequence ids; empty: never)."""
         self._template = _compile(chat_template) if chat_template else None
 
     @classmethod
     def from_checkpoint_dir(
-        cls, directory: Path | None, vocab_size: int, eos_token_id: int | None = None
+        cls, directory: Path | None, vocab_size: int, eos_token_ids: tuple[int, ...] = ()
     ) -> TextCodec:
         """The codec of a checkpoint directory (None: a preset, ids only)."""
         if directory is None:
@@ -74,9 +75,10 @@ class TextCodec:
                     value = value.get("content")
                 if isinstance(value, str):
                     special[name] = value
-        if eos_token_id is None and tokenizer is not None and "eos_token" in special:
-            eos_token_id = tokenizer.token_to_id(special["eos_token"])
-        return cls(vocab_size, tokenizer, template, special, eos_token_id)
+        if not eos_token_ids and tokenizer is not None and "eos_token" in special:
+            found = tokenizer.token_to_id(special["eos_token"])
+            eos_token_ids = () if found is None else (found,)
+        return cls(vocab_size, tokenizer, template, special, eos_token_ids)
 
     @property
     def has_text(self) -> bool:

@@ -55,14 +55,15 @@ class Job:
 
     ``events`` receives, on ``loop``, ``("token", id)`` per generated token, then
     ``("done", JobOutcome)`` or ``("error", message)``. Generation ends after
-    ``max_new_tokens`` or at ``eos_token_id`` (included in the output; None: never).
+    ``max_new_tokens`` or at any of ``stop_ids`` (the end-of-sequence ids; included in the
+    output; empty: never, e.g. a request with ``ignore_eos``).
     ``cancel()`` may be called from any thread; a cancelled job still queued is dropped,
     a running one is aborted after the next token (batched: at the next step)."""
 
     prompt: list[int]
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
-    eos_token_id: int | None = None
+    stop_ids: tuple[int, ...] = ()
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_s: float = field(default_factory=time.perf_counter)
@@ -157,17 +158,17 @@ class _Control:
 def token_hook(
     control: _Control,
     emit: Callable[[int], None] | None = None,
-    eos_token_id: int | None = None,
+    stop_ids: tuple[int, ...] = (),
     cancelled: Callable[[], bool] = lambda: False,
 ) -> TokenHook:
     """The engine's per-token hook for one request: streams the token (``emit``), then
-    agrees with the other ranks whether to go on, end (the token is ``eos_token_id``)
+    agrees with the other ranks whether to go on, end (the token is one of ``stop_ids``)
     or abort (``cancelled()``; raises :class:`Aborted`). Only rank 0's view counts."""
 
     def on_token(token: int) -> bool:
         if emit is not None:
             emit(token)
-        decision = _ABORT if cancelled() else _END if token == eos_token_id else _GO
+        decision = _ABORT if cancelled() else _END if token in stop_ids else _GO
         decision = control.agree(decision)
         if decision == _ABORT:
             raise Aborted
@@ -236,7 +237,7 @@ class EngineWorker(threading.Thread):
 
     def _serve(self, job: Job) -> None:
         hook = token_hook(
-            self.control, lambda t: job.emit("token", t), job.eos_token_id, job.cancelled.is_set
+            self.control, lambda t: job.emit("token", t), job.stop_ids, job.cancelled.is_set
         )
         with self.counters.lock:
             self.counters.running += 1

@@ -36,7 +36,9 @@ class Turn:
     tenant: str | None = None
     """The request's cache tenant (None: the cache's ``HiCacheConfig.tenant``)."""
     stop_token: int | None = None
-    """Generation ends after this token id (e.g. end of sequence; None: never)."""
+    """Generation ends after this token id (None: never)."""
+    stop_tokens: tuple[int, ...] = ()
+    """Generation also ends after any of these (the checkpoint's end-of-sequence ids)."""
     arrival_s: float | None = None
     """Trace seconds at which the request arrives (None: at once for a first turn, and
     for a later turn its previous answer plus ``think_s``; on a later turn a time means

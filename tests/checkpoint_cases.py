@@ -30,6 +30,8 @@ VOCAB = 128
 ATOL = 1e-4
 PROMPT = 37
 CASES = ("granite_moe", "granite_dense", "bamba", "nemotron_h")
+DENSE_CASES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+"""Dense attention decoders: no recurrent state, the cache keeps K/V only."""
 
 
 def _config(case: str):
@@ -86,6 +88,8 @@ def _config(case: str):
             mamba_d_head=8,
             mamba_chunk_size=16,
         )
+    if case in DENSE_CASES:
+        return _dense_config(case, common)
     assert case == "nemotron_h"  # block pattern "-ME*-MM", group-limited sigmoid router
     return transformers.NemotronHConfig(
         **common,
@@ -119,11 +123,44 @@ def _config(case: str):
     )
 
 
+def _dense_config(case: str, common: dict):
+    common = dict(common, num_hidden_layers=3, intermediate_size=48, rms_norm_eps=1e-5)
+    if case == "llama":  # Llama 3.1-like: llama3 RoPE scaling, tied embeddings
+        rope = {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+        }  # fmt: skip
+        return transformers.LlamaConfig(
+            **common, rope_parameters=rope, tie_word_embeddings=True, max_position_embeddings=128
+        )
+    if case == "mistral":  # no sliding window (Mistral 7B v0.2 and later), head_dim given
+        return transformers.MistralConfig(**common, head_dim=8, sliding_window=None)
+    if case == "qwen2":  # q/k/v biases
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    if case == "qwen3":  # per-head q/k RMSNorm, head_dim != hidden / heads
+        return transformers.Qwen3Config(**common, head_dim=16)
+    assert case == "qwen3_moe"  # experts on layers 0 and 2, a dense MLP on layer 1
+    return transformers.Qwen3MoeConfig(
+        **common,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+    )
+
+
 _MODELS = {
     "granite_moe": "GraniteMoeHybridForCausalLM",
     "granite_dense": "GraniteMoeHybridForCausalLM",
     "bamba": "BambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

@@ -25,6 +25,7 @@ FAMILIES = (
     "tiny",
     "small",
     *checkpoint_cases.CASES,
+    *checkpoint_cases.DENSE_CASES,
     *qwen_cases.CASES,
     "deepseek_v32",
     "deepseek_ties",
@@ -35,7 +36,7 @@ def build_family(name: str, root: Path) -> tuple[HybridModel, Path | None]:
     """(the model on one rank, its checkpoint directory or None for a preset)."""
     if name in ("tiny", "small"):
         return HybridModel(preset(name), page_size=PAGE), None
-    if name in checkpoint_cases.CASES:
+    if name in checkpoint_cases.CASES + checkpoint_cases.DENSE_CASES:
         directory = checkpoint_cases.build(name, root)
     elif name in qwen_cases.CASES:
         directory = qwen_cases.build(name, root)

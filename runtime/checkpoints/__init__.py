@@ -1,7 +1,10 @@
-"""Hugging Face hybrid checkpoints: one adapter per architecture and a loader.
+"""Hugging Face checkpoints: one adapter per architecture and a loader.
 
-Supported: ``GraniteMoeHybridForCausalLM`` (dense and MoE), ``BambaForCausalLM``,
-``NemotronHForCausalLM``. Needs ``safetensors`` (``pip install -e '.[hf]'``)::
+Supported: the hybrids ``GraniteMoeHybridForCausalLM`` (dense and MoE),
+``BambaForCausalLM``, ``NemotronHForCausalLM``, the Gated DeltaNet and MLA families, and
+the dense attention decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``. Needs ``safetensors``
+(``pip install -e '.[hf]'``)::
 
     ckpt = load_checkpoint("/models/granite-4.0-h-tiny")
     model = HybridModel(ckpt.config, topology, weights=ckpt.weights)

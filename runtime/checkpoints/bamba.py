@@ -63,7 +63,7 @@ class BambaAdapter:
             ssm_state_dim=v("mamba_d_state", 256),
             conv_kernel=v("mamba_d_conv", 4),
             conv_bias=bool(v("mamba_conv_bias", True)),
-            scan_chunk=min(v("mamba_chunk_size", 256), 64),
+            scan_chunk=v("mamba_chunk_size", 256),
             mlp_hidden=v("intermediate_size", 14336),
             mlp_kind="swiglu",
             rope_theta=float(rope.get("rope_theta", v("rope_theta", 10000.0))),

@@ -70,7 +70,7 @@ class GraniteMoeHybridAdapter:
             ssm_state_dim=v("mamba_d_state", 256),
             conv_kernel=v("mamba_d_conv", 4),
             conv_bias=bool(v("mamba_conv_bias", True)),
-            scan_chunk=min(v("mamba_chunk_size", 256), 64),
+            scan_chunk=v("mamba_chunk_size", 256),
             mlp_hidden=shared,
             mlp_kind="swiglu",
             num_experts=max(experts, 0),

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 
 from mesh_hicache.identity import checkpoint_model_id
-from runtime.checkpoints import bamba, deepseek_v32, granitemoehybrid, nemotron_h, qwen3_next
+from runtime.checkpoints import (
+    bamba,
+    deepseek_v32,
+    dense,
+    granitemoehybrid,
+    nemotron_h,
+    qwen3_next,
+)
 from runtime.checkpoints.base import (
     Adapter,
     CheckpointWeights,
@@ -32,6 +39,7 @@ _ALL: tuple[Adapter, ...] = (
     nemotron_h.ADAPTER,
     *qwen3_next.ADAPTERS,
     deepseek_v32.ADAPTER,
+    *dense.ADAPTERS,
 )
 ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))
@@ -47,7 +55,8 @@ class Checkpoint:
     weights: CheckpointWeights
     tokenizer_path: Path | None
     """``tokenizer.json`` when the directory has one."""
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    """Where generation stops (:func:`stop_ids`); empty: nowhere."""
 
 
 def load_checkpoint(
@@ -89,14 +98,13 @@ def load_checkpoint(
     config = replace(config, name=weights_name(directory, arch, dtype, model_id, progress))
     weights = CheckpointWeights(files, adapter, config, hf)
     tokenizer = directory / "tokenizer.json"
-    eos = hf.get("eos_token_id")
     return Checkpoint(
         path=directory,
         architecture=arch,
         config=config,
         weights=weights,
         tokenizer_path=tokenizer if tokenizer.is_file() else None,
-        eos_token_id=eos if isinstance(eos, int) else None,
+        eos_token_ids=stop_ids(directory, hf),
     )
 
 
@@ -121,6 +129,51 @@ def weights_name(
         "runtime_numerics": str(NUMERICS_VERSION),
     }
     return checkpoint_model_id(directory, extra=extra, progress=progress)
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return tuple(dict.fromkeys(value))
+    return ()
+
+
+def stop_ids(directory: Path, hf: dict | None = None) -> tuple[int, ...]:
+    """The end-of-sequence ids as transformers' ``generate`` takes them: the
+    ``eos_token_id`` of ``generation_config.json`` (an int or a list), else of
+    ``config.json``, else the tokenizer's ``eos_token`` (``tokenizer_config.json``, looked up
+    in ``tokenizer.json``). Empty when none names one."""
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if name == "config.json" and hf is not None:
+            found = _ids(hf.get("eos_token_id"))
+        elif path.is_file():
+            found = _ids(json.loads(path.read_text()).get("eos_token_id"))
+        else:
+            found = ()
+        if found:
+            return found
+    return _tokenizer_eos(directory)
+
+
+def _tokenizer_eos(directory: Path) -> tuple[int, ...]:
+    config, tokenizer = directory / "tokenizer_config.json", directory / "tokenizer.json"
+    if not config.is_file() or not tokenizer.is_file():
+        return ()
+    eos = json.loads(config.read_text()).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return ()
+    data = json.loads(tokenizer.read_text())
+    for token in data.get("added_tokens") or []:
+        if token.get("content") == eos and isinstance(token.get("id"), int):
+            return (token["id"],)
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and isinstance(vocab.get(eos), int):
+        return (vocab[eos],)
+    return ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,7 @@ class NemotronHAdapter:
             ssm_state_dim=v("ssm_state_size", 128),
             conv_kernel=v("conv_kernel", 4),
             conv_bias=bool(v("use_conv_bias", True)),
-            scan_chunk=min(v("chunk_size", 128), 64),
+            scan_chunk=v("chunk_size", 128),
             mlp_hidden=v("intermediate_size", 21504),
             mlp_kind="relu2",
             num_experts=v("n_routed_experts", 8) if moe else 0,

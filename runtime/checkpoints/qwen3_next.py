@@ -86,7 +86,7 @@ class Qwen3NextAdapter:
             ssm_state_dim=v("linear_key_head_dim", 128),
             conv_kernel=v("linear_conv_kernel_dim", 4),
             conv_bias=False,
-            scan_chunk=64,
+            scan_chunk=64,  # transformers' chunked delta rule: 64, not in config.json
             mlp_hidden=v("intermediate_size", 5632),
             mlp_kind="swiglu",
             num_experts=max(experts, 0),

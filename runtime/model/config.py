@@ -88,7 +88,8 @@ class ModelConfig:
     router_topk_groups: int = 1
     """Groups a token may choose experts from (``topk_group``)."""
     router_normalize: bool = True
-    """``sigmoid`` router: divide the chosen weights by their sum."""
+    """Divide the chosen weights by their sum (``softmax``: the softmax over the top-k
+    logits; else the top-k of the softmax over all experts)."""
     router_scale: float = 1.0
     """Multiplies the routed experts' weights."""
     rope_theta: float = 10000.0
@@ -152,10 +153,17 @@ class ModelConfig:
     index_topk: int = 0
     """MLA: keys each query attends to (the indexer's top-k over all previous tokens)."""
     rope_inv_freq: tuple[float, ...] = ()
-    """MLA: RoPE inverse frequency of each rotated pair (``qk_rope_head_dim / 2``), for a
-    scaled RoPE a checkpoint derives (YaRN); empty: ``rope_theta ** (-2i / dim)``."""
+    """RoPE inverse frequency of each rotated pair (MLA: ``qk_rope_head_dim / 2``, plain
+    attention: ``rope_dim / 2``), for a scaled RoPE a checkpoint derives (YaRN, Llama 3);
+    empty: ``rope_theta ** (-2i / dim)``."""
     rope_cos_scale: float = 1.0
     """MLA: multiplies RoPE's cos and sin (YaRN's attention factor)."""
+    attn_bias: bool = False
+    """Plain attention: the q, k, v projections have a bias (Qwen2); names ``q_bias``,
+    ``k_bias``, ``v_bias``."""
+    qk_norm: bool = False
+    """Plain attention: a per-head RMSNorm on q and k before RoPE (Qwen3); ``q_norm``,
+    ``k_norm`` ``[E]``."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -223,8 +231,13 @@ class ModelConfig:
             raise ValueError("ModelConfig.ssm_kind='gdn' needs ssm_groups (key heads) > 0")
         if self.attn_kind == "mla":
             self._check_mla()
-        elif self.rope_inv_freq or self.rope_cos_scale != 1.0:
-            raise ValueError("ModelConfig.rope_inv_freq / rope_cos_scale are MLA-only")
+        elif self.rope_cos_scale != 1.0:
+            raise ValueError("ModelConfig.rope_cos_scale is MLA-only")
+        elif self.rope_inv_freq and len(self.rope_inv_freq) != self.rope_dim // 2:
+            raise ValueError(
+                f"ModelConfig.rope_inv_freq has {len(self.rope_inv_freq)} values, want "
+                f"rope_dim / 2 = {self.rope_dim // 2}"
+            )
         if self.dtype not in DTYPES.values():
             raise ValueError(f"ModelConfig.dtype={self.dtype}; valid: {list(DTYPES.values())}")
 

@@ -41,15 +41,16 @@ class MLP:
         self.up, self.down = self.up.to(device), self.down.to(device)
 
     def __call__(self, x: Tensor) -> Tensor:
-        up = F.linear(x, self.up)
+        return F.linear(self.activate(F.linear(x, self.up)), self.down)
+
+    def activate(self, up: Tensor) -> Tensor:
+        """The hidden activations of the up projection ``up`` ``[..., (2)F]``."""
         if self.kind == "swiglu":
             gate, up = up.split(self.hidden, dim=-1)
-            hidden = F.silu(gate) * up
-        elif self.kind == "relu2":
-            hidden = torch.relu(up).square()
-        else:
-            hidden = F.gelu(up)
-        return F.linear(hidden, self.down)
+            return F.silu(gate) * up
+        if self.kind == "relu2":
+            return torch.relu(up).square()
+        return F.gelu(up)
 
 
 class DenseMLP:
@@ -70,7 +71,9 @@ class DenseMLP:
 class MoE:
     """Top-k routed experts plus an optional shared expert.
 
-    ``softmax`` router: top-k of the logits, weights = softmax over those k (Granite).
+    ``softmax`` router: top-k of the logits, weights = softmax over those k (Granite);
+    without ``router_normalize``, the top-k of the softmax over all experts (Qwen3-MoE's
+    ``norm_topk_prob=False``).
     ``sigmoid`` router: scores = sigmoid(logits); experts chosen by top-k of
     ``scores + bias`` inside the ``router_topk_groups`` best groups (a group's value is
     the sum of its two best biased scores); weights = the chosen scores, divided by their
@@ -91,24 +94,43 @@ class MoE:
             MLP(c.mlp_kind, f"{prefix}.experts.{e}", c.expert_hidden, weights, tp, c.dtype)
             for e in range(c.num_experts)
         ]
+        # Every expert's weights in one tensor (the experts' own are views of it); small
+        # experts also keep their down projections side by side for the dense path.
+        self.w_up = torch.stack([m.up for m in self.experts])  # [X, (2)F, D]
+        self.w_down = torch.stack([m.down for m in self.experts])  # [X, D, F]
+        self._view_experts()
         self.shared = None
         if c.shared_expert_hidden:
             self.shared = MLP(
                 c.mlp_kind, f"{prefix}.shared", c.shared_expert_hidden, weights, tp, c.dtype
             )
 
+    def _view_experts(self) -> None:
+        for e, mlp in enumerate(self.experts):
+            mlp.up, mlp.down = self.w_up[e], self.w_down[e]
+        x, d = self.w_down.shape[:2]
+        self.per_token_all = x * (self.w_up[0].numel() + self.w_down[0].numel())
+        self.down_all: Tensor | None = None  # [D, X*F]: expert e's columns at e*F
+        if self.per_token_all <= DENSE_LIMIT:
+            self.down_all = self.w_down.permute(1, 0, 2).reshape(d, -1).contiguous()
+
     def to(self, device: torch.device) -> None:
         self.router = self.router.to(device)
         if self.router_bias is not None:
             self.router_bias = self.router_bias.to(device)
-        for mlp in [*self.experts, *([self.shared] if self.shared else [])]:
-            mlp.to(device)
+        self.w_up, self.w_down = self.w_up.to(device), self.w_down.to(device)
+        self._view_experts()
+        if self.shared is not None:
+            self.shared.to(device)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(expert ids ``[T, k]`` int64, weights ``[T, k]`` float32) for tokens ``x`` ``[T, D]``."""
         c = self.config
         logits = F.linear(x, self.router).float()
         if self.router_bias is None:
+            if not c.router_normalize:  # the top-k of the softmax over all experts
+                top, ids = top_k(torch.softmax(logits, dim=-1), c.experts_per_token)
+                return ids, top
             top, ids = top_k(logits, c.experts_per_token)
             return ids, torch.softmax(top, dim=-1)
         scores = logits.sigmoid()
@@ -125,14 +147,42 @@ class MoE:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * c.router_scale
 
-    def __call__(self, x: Tensor, tp: AxisComm) -> Tensor:
+    def routed(self, x: Tensor) -> Tensor:
+        """The routed experts' weighted sum for tokens ``x`` ``[T, D]`` (float32, this rank's
+        partial sum). Small experts and few tokens (decode of a small model, where each op
+        costs its dispatch, not its arithmetic): every expert on every token in two GEMMs,
+        the unchosen ones weighted 0. Else the (token, expert) pairs are sorted by expert
+        (one host sync for the counts) and each expert runs its rows."""
         ids, weights = self.route(x)
+        t, k = ids.shape
+        if self.down_all is not None and t * self.per_token_all <= DENSE_LIMIT:
+            up = F.linear(x, self.w_up.view(-1, x.shape[1])).view(t, len(self.experts), -1)
+            hidden = self.experts[0].activate(up)  # [T, X, F]
+            dense = torch.zeros(t, len(self.experts), dtype=weights.dtype, device=x.device)
+            dense.scatter_(1, ids, weights)
+            scaled = hidden * dense.to(hidden.dtype)[..., None]
+            return F.linear(scaled.reshape(t, -1), self.down_all).float()
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // k
+        xs = x[tokens]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self.experts[e](xs[start : start + n]))
+                start += n
+        y = torch.cat(outs).float() * weights.reshape(-1)[order, None]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():
-            tokens, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[tokens]).float() * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y)
-        out = out.to(x.dtype)
+        return out.index_add_(0, tokens, y)
+
+    def __call__(self, x: Tensor, tp: AxisComm) -> Tensor:
+        out = self.routed(x).to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(x)
         return tp.all_reduce(out)
+
+
+DENSE_LIMIT = 1 << 22
+"""Up to this many multiply-adds (tokens x every expert's weights), :meth:`MoE.routed`
+runs every expert on every token instead of looping over the chosen ones."""

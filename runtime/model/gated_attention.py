@@ -59,6 +59,7 @@ class GatedAttention(Attention):
         t, e = x.shape[0], self.head_dim
         hq, hk = self.num_heads * e, self.num_kv_heads * e
         q, k, v, gate = F.linear(x, self.wqkv).split([hq, hk, hk, hq], dim=-1)
+        assert self.q_norm is not None and self.k_norm is not None
         q = rms_norm(q.reshape(t, self.num_heads, e), self.q_norm, self.eps)
         k = rms_norm(k.reshape(t, self.num_kv_heads, e), self.k_norm, self.eps)
         v = v.reshape(t, self.num_kv_heads, e)
@@ -93,12 +94,7 @@ class GatedSharedMoE(MoE):
         self.shared_gate = self.shared_gate.to(device)
 
     def __call__(self, x: Tensor, tp: AxisComm) -> Tensor:
-        ids, weights = self.route(x)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():
-            tokens, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[tokens]).float() * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y)
+        out = self.routed(x)
         assert self.shared is not None
         shared = self.shared(x) * torch.sigmoid(F.linear(x, self.shared_gate))
         return tp.all_reduce(out.to(x.dtype) + shared)

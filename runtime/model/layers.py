@@ -41,14 +41,25 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * out.to(x.dtype)
 
 
-def rope(x: Tensor, positions: Tensor, theta: float, dim: int | None = None) -> Tensor:
+def rope(
+    x: Tensor,
+    positions: Tensor,
+    theta: float,
+    dim: int | None = None,
+    inv_freq: Tensor | None = None,
+) -> Tensor:
     """Rotary embedding (rotate-half) of the first ``dim`` channels (default all) of
-    ``x`` ``[T, heads, E]`` at absolute ``positions`` [T]; the other channels pass."""
+    ``x`` ``[T, heads, E]`` at absolute ``positions`` [T]; the other channels pass.
+    ``inv_freq`` ``[dim / 2]``: the frequencies (default ``theta ** (-2i / dim)``)."""
     dim = x.shape[-1] if dim is None else dim
     if dim == 0:
         return x
     half = dim // 2
-    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)
+    if inv_freq is not None:
+        freqs = inv_freq
+    else:
+        exps = torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim
+        freqs = 1.0 / theta**exps
     angles = positions.to(torch.float32)[:, None] * freqs[None, :]
     cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:dim], x[..., dim:]
@@ -176,6 +187,17 @@ class Attention:
         wv = weights.get(f"{prefix}.v", rows=((k0 * e, k1 * e),))
         self.wqkv = torch.cat([wq, wk, wv]).to(dtype)  # one GEMM for q, k, v
         self.wo = weights.get(f"{prefix}.o", cols=((q0 * e, q1 * e),)).to(dtype)
+        self.bqkv: Tensor | None = None
+        if c.attn_bias:
+            bq = weights.get(f"{prefix}.q_bias", rows=((q0 * e, q1 * e),))
+            bk = weights.get(f"{prefix}.k_bias", rows=((k0 * e, k1 * e),))
+            bv = weights.get(f"{prefix}.v_bias", rows=((k0 * e, k1 * e),))
+            self.bqkv = torch.cat([bq, bk, bv]).to(dtype)
+        self.q_norm: Tensor | None = None
+        self.k_norm: Tensor | None = None
+        if c.qk_norm:
+            self.q_norm = weights.get(f"{prefix}.q_norm").to(dtype)
+            self.k_norm = weights.get(f"{prefix}.k_norm").to(dtype)
 
     def _set_heads(
         self, config: ModelConfig, layer_id: int, tp: AxisComm, cp_kv: str, page_size: int
@@ -189,6 +211,10 @@ class Attention:
         self.theta = c.rope_theta
         self.rope_dim = c.rope_dim
         self.scale = c.attn_scale or e**-0.5
+        self.eps = c.norm_eps
+        self.inv_freq: Tensor | None = None
+        if c.rope_inv_freq and c.attn_kind != "mla":
+            self.inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
         self.cp_kv = cp_kv
         self.page_size = page_size
         self.rows = AttentionRows(page_size, cp_kv)
@@ -198,18 +224,23 @@ class Attention:
         return q0, q1, k0, k1
 
     def to(self, device: torch.device) -> None:
-        for name in ("wqkv", "wo"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in ("wqkv", "wo", "bqkv", "q_norm", "k_norm", "inv_freq"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
 
     def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         t, e = x.shape[0], self.head_dim
         hq, hk = self.num_heads * e, self.num_kv_heads * e
-        q, k, v = F.linear(x, self.wqkv).split([hq, hk, hk], dim=-1)
+        q, k, v = F.linear(x, self.wqkv, self.bqkv).split([hq, hk, hk], dim=-1)
         q = q.reshape(t, self.num_heads, e)
         k = k.reshape(t, self.num_kv_heads, e)
         v = v.reshape(t, self.num_kv_heads, e)
-        q = rope(q, positions, self.theta, self.rope_dim)
-        k = rope(k, positions, self.theta, self.rope_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q = rope(q, positions, self.theta, self.rope_dim, self.inv_freq)
+        k = rope(k, positions, self.theta, self.rope_dim, self.inv_freq)
         return q, k, v
 
     def _project(self, out: Tensor, dtype: torch.dtype, tp: AxisComm) -> Tensor:

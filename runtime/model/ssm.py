@@ -53,8 +53,9 @@ def conv_step(
     sequence's window ``[C, K-1]`` (the cached conv state's layout). Returns (outputs
     ``[B, C]``, the windows after the token ``[B, C, K-1]``), in ``xbc.dtype``."""
     inputs = torch.cat([torch.stack(windows).to(xbc.dtype), xbc[:, :, None]], dim=2)  # [B, C, K]
-    out = F.conv1d(inputs, weight.unsqueeze(1), bias, groups=weight.shape[0])  # [B, C, 1]
-    return F.silu(out[:, :, 0]), inputs[:, :, 1:].contiguous()
+    # One output per channel: a multiply-add over K (CPU conv1d costs ~10x more here).
+    out = (inputs * weight).sum(-1)
+    return F.silu(out + bias), inputs[:, :, 1:].contiguous()
 
 
 def advance_window(window: Tensor, xbc: Tensor) -> Tensor:

@@ -4,7 +4,8 @@ Tolerance: float32 ATOL = 1e-4 (as ``test_model.py``: only the order of float su
 differs; tp adds partial matmuls and, for a B/C group split over tp, partial sums of
 squares of the gated norm). Cases: Granite MoE with ONE B/C group (replicated over tp,
 the gated norm reduced over tp; experts split over tp) and Nemotron-H with two groups
-(sharded at tp=2) and its block pattern (pp cuts between stateless blocks' layers).
+(sharded at tp=2) and its block pattern (pp cuts between stateless blocks' layers), and
+the dense attention decoders (K/V only).
 """
 
 from __future__ import annotations
@@ -123,6 +124,11 @@ def root(tmp_path_factory) -> Path:
         ("granite_moe", (1, 2, 2), "replicate", 16),
         ("nemotron_h", (1, 2, 2), "shard", 28),  # a one-token suffix: an empty cp chunk
         ("granite_moe", (2, 2, 2), "shard", 13),
+        # Dense attention (K/V only): biases, q/k norm, experts, llama3 RoPE on meshes.
+        ("qwen3_moe", (1, 2, 2), "shard", 13),
+        ("qwen2", (1, 1, 2), "replicate", 0),
+        ("llama", (2, 1, 1), "replicate", 16),
+        ("qwen3", (1, 2, 2), "replicate", 28),
     ],
 )
 def test_checkpoint_on_mesh_equals_one_rank(root: Path, case: str, shape, cp_kv: str, prefix):

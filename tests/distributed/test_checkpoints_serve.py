@@ -5,7 +5,8 @@ with one B/C group, tied embeddings, multipliers; Nemotron-H for the pipeline me
 a word-level ``tokenizer.json``: the outputs of every request (session turns included:
 history + answer + next line) are transformers' ``generate(do_sample=False)`` on the
 same prompts, on one rank and under torchrun (1x2x2 and 2x1x1); a second run on the
-same storage root reads L3 and still matches.
+same storage root reads L3 and still matches, also under another mesh (a reshard). The
+dense attention decoders (Qwen3-MoE, Llama, Qwen2, Qwen3) run the same checks.
 """
 
 from __future__ import annotations
@@ -103,8 +104,11 @@ def _serve(directory: Path, prompts: Path, storage: Path, out: Path, *mesh: str)
         ("granite_moe", ()),
         ("granite_moe", ("--cp", "2", "--tp", "2", "--cp-kv", "shard")),
         ("nemotron_h", ("--pp", "2")),
+        ("qwen3_moe", ()),
+        ("llama", ("--cp", "2", "--tp", "2", "--cp-kv", "shard")),
+        ("qwen2", ("--pp", "2")),
     ],
-    ids=["1rank", "1x2x2", "2x1x1"],
+    ids=["1rank", "1x2x2", "2x1x1", "qwen3_moe-1rank", "llama-1x2x2", "qwen2-2x1x1"],
 )
 def test_serve_prompts_equals_transformers_generate(tmp_path: Path, case: str, mesh) -> None:
     directory = build(case, tmp_path)
@@ -123,4 +127,24 @@ def test_serve_prompts_equals_transformers_generate(tmp_path: Path, case: str, m
     # A new process on the same storage root: cold L1/L2, the prefixes come from L3.
     again = _serve(directory, prompts, storage, tmp_path / "again.json", *mesh)
     assert again["summary"]["cached_storage"] > 0
+    assert [r["output_ids"] for r in again["requests"]] == want
+
+
+@pytest.mark.parametrize("case", ["qwen3", "granite_moe"])
+def test_serve_reads_l3_across_a_reshard(tmp_path: Path, case: str) -> None:
+    # L3 written by one rank, read by a tp=2 x cp=2 mesh: the same tokens as generate.
+    directory = build(case, tmp_path)
+    _tokenizer(directory)
+    requests = _requests()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
+    want = _expected(directory, requests)
+    storage = tmp_path / "l3"
+    first = _serve(directory, prompts, storage, tmp_path / "first.json")
+    assert [r["output_ids"] for r in first["requests"]] == want
+    mesh = ("--cp", "2", "--tp", "2", "--cp-kv", "shard")
+    again = _serve(directory, prompts, storage, tmp_path / "again.json", *mesh)
+    summary = again["summary"]
+    assert summary["cached_storage"] > 0
+    assert summary["storage_resharded_tokens"] >= summary["cached_storage"]
     assert [r["output_ids"] for r in again["requests"]] == want

@@ -73,8 +73,8 @@ def test_bad_lines_name_the_line(tmp_path: Path, line: object, message: str) -> 
 def test_stop_at_eos_sets_the_turns_stop_token(tmp_path: Path) -> None:
     lines = [{"input_ids": [1], "stop_at_eos": True}, {"input_ids": [2]}]
     lines.append({"input_ids": [3], "stop_at_eos": False})
-    turns = load_prompts(_write(tmp_path, lines), 16, None, eos_token_id=7)
-    assert [t.stop_token for t in turns] == [7, None, None]
+    turns = load_prompts(_write(tmp_path, lines), 16, None, eos_token_ids=(7, 9))
+    assert [t.stop_tokens for t in turns] == [(7, 9), (), ()]
 
 
 def test_empty_or_missing_file(tmp_path: Path) -> None:

@@ -149,8 +149,8 @@ def reference(live, one_rank_topology):
 
     def run(ids: list[int], max_new: int) -> list[int]:
         out = engine.serve(ids, max_new_tokens=max_new).output_ids
-        eos = live.server.codec.eos_token_id
-        return out[: out.index(eos)] if eos in out else out
+        cut = [i for i, t in enumerate(out) if t in live.server.codec.eos_token_ids]
+        return out[: cut[0]] if cut else out
 
     return run
 
@@ -300,6 +300,8 @@ def test_bad_requests_are_openai_errors(live) -> None:
         client.completions.create(model=name, prompt="hello", n=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=name, prompt="hello", max_tokens=601)
+    with pytest.raises(openai.BadRequestError, match="'ignore_eos' must be a boolean"):
+        client.completions.create(model=name, prompt="hello", extra_body={"ignore_eos": 1})
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-nothing", prompt="hello")
     with pytest.raises(openai.BadRequestError, match="not in range"):
@@ -332,7 +334,10 @@ def test_generation_stops_at_the_end_of_sequence_token(
     checkpoint, one_rank_topology, reference, tmp_path
 ) -> None:
     """A checkpoint whose end-of-sequence id is a token greedy decoding reaches early:
-    the answer stops there and the engine spent no decode step after it."""
+    the answer stops there and the engine spent no decode step after it. The ids come
+    from ``generation_config.json`` (a list) before ``config.json`` (whose id, the
+    first answer token, would stop at once), as transformers takes them; a request with
+    ``ignore_eos`` runs to ``max_tokens``."""
     prompt = "hello world the cache is warm"
     ids = _encode(checkpoint, prompt)
     free = reference(ids, 12)
@@ -343,8 +348,11 @@ def test_generation_stops_at_the_end_of_sequence_token(
     copy = tmp_path / "eos_ckpt"
     shutil.copytree(checkpoint, copy)
     config = json.loads((copy / "config.json").read_text())
-    config["eos_token_id"] = free[stop_at]
+    config["eos_token_id"] = free[0]
     (copy / "config.json").write_text(json.dumps(config))
+    unused = next(t for t in range(config["vocab_size"]) if t not in free)
+    generation = {"eos_token_id": [unused, free[stop_at]]}
+    (copy / "generation_config.json").write_text(json.dumps(generation))
     argv = ["--model", str(copy), "--page-size", "4", "--device-pages", "64"]
     argv += ["--cache", "host", "--max-new-tokens", "12"]
     small = LiveServer(argv, one_rank_topology)
@@ -381,6 +389,13 @@ def test_generation_stops_at_the_end_of_sequence_token(
         assert streamed == free[:stop_at]
         assert chunks[-1].choices[0].finish_reason == "stop"
         assert len(calls) <= stop_at
+        # ignore_eos (vLLM's extension): every token up to max_tokens.
+        out = client.completions.create(
+            model=small.server.name, prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True}
+        )
+        whole = out.choices[0].token_ids
+        assert len(whole) == 12 and whole[: len(free)] == free
+        assert out.choices[0].finish_reason == "length"
         small.wait_idle()
         assert small.server.cache is not None
         small.server.cache.check_integrity()

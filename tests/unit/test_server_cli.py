@@ -125,6 +125,10 @@ def test_one_rank_cli_token_ids_and_sigterm(tmp_path: Path, reference) -> None:
         code = server.stop()
     assert code == 0, "".join(server.lines)
     assert "2 requests served (1 uncached)" in "".join(server.lines)
+    # No size flag: the budgets come from the machine, in bytes and tokens, in one line.
+    budgets = [x for x in server.lines if "cache budgets per rank" in x]
+    assert len(budgets) == 1 and "L1 the CPU default" in budgets[0], server.lines
+    assert re.search(r"L1 \d+ bytes \(.* GiB, \d+ tokens\), L2 \d+ bytes", budgets[0])
 
 
 def test_two_rank_mesh_broadcasts_requests_and_aborts(tmp_path: Path, reference) -> None:
