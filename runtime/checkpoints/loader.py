@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoints import bamba, deepseek_v32, granitemoehybrid, nemotron_h, qwen3_next
+from runtime.checkpoints import (
+    bamba,
+    deepseek_v32,
+    gemma3,
+    gpt_oss,
+    granitemoehybrid,
+    nemotron_h,
+    qwen3_next,
+)
 from runtime.checkpoints.base import (
     Adapter,
     CheckpointWeights,
@@ -31,6 +39,8 @@ _ALL: tuple[Adapter, ...] = (
     nemotron_h.ADAPTER,
     *qwen3_next.ADAPTERS,
     deepseek_v32.ADAPTER,
+    gpt_oss.ADAPTER,
+    gemma3.ADAPTER,
 )
 ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))

@@ -20,35 +20,66 @@ from runtime.model.parallel import AxisComm
 from runtime.model.weights import WeightSource
 
 
+GATED = ("swiglu", "geglu", "swiglu_clamp")
+
+
 class MLP:
-    """``swiglu``: ``down(silu(gate x) * up x)``; ``gelu``: ``down(gelu(up x))``;
-    ``relu2``: ``down(relu(up x)^2)``. ``__call__`` returns this rank's partial sum."""
+    """``swiglu``: ``down(silu(gate x) * up x)``; ``geglu``: ``down(gelu_tanh(gate x) *
+    up x)``; ``swiglu_clamp``: gpt-oss's clamped SwiGLU with biases (``gate_bias``,
+    ``up_bias``, ``down_bias``; the down bias is added by tp rank 0 only, so the reduced sum
+    holds it once); ``gelu``: ``down(gelu(up x))``; ``relu2``: ``down(relu(up x)^2)``.
+    ``__call__`` returns this rank's partial sum."""
 
     def __init__(
-        self, kind: str, prefix: str, hidden: int, weights: WeightSource, tp: AxisComm, dtype
+        self,
+        kind: str,
+        prefix: str,
+        hidden: int,
+        weights: WeightSource,
+        tp: AxisComm,
+        dtype,
+        clamp: tuple[float, float] = (1.702, 7.0),
     ) -> None:
         f0, f1 = tp_split(hidden, tp.size, tp.rank)
         self.kind = kind
         self.hidden = f1 - f0
+        self.alpha, self.limit = clamp
         up = weights.get(f"{prefix}.up", rows=((f0, f1),))
-        if kind == "swiglu":  # [gate | up] in one GEMM
+        if kind in GATED:  # [gate | up] in one GEMM
             up = torch.cat([weights.get(f"{prefix}.gate", rows=((f0, f1),)), up])
         self.up = up.to(dtype)
         self.down = weights.get(f"{prefix}.down", cols=((f0, f1),)).to(dtype)
+        self.up_bias: Tensor | None = None
+        self.down_bias: Tensor | None = None
+        if kind == "swiglu_clamp":
+            gate_b = weights.get(f"{prefix}.gate_bias", rows=((f0, f1),))
+            self.up_bias = torch.cat([gate_b, weights.get(f"{prefix}.up_bias", rows=((f0, f1),))])
+            self.up_bias = self.up_bias.to(dtype)
+            down_b = weights.get(f"{prefix}.down_bias").to(dtype)
+            self.down_bias = down_b if tp.rank == 0 else torch.zeros_like(down_b)
 
     def to(self, device: torch.device) -> None:
         self.up, self.down = self.up.to(device), self.down.to(device)
+        if self.up_bias is not None and self.down_bias is not None:
+            self.up_bias, self.down_bias = self.up_bias.to(device), self.down_bias.to(device)
 
     def __call__(self, x: Tensor) -> Tensor:
-        up = F.linear(x, self.up)
-        if self.kind == "swiglu":
+        up = F.linear(x, self.up, self.up_bias)
+        if self.kind in GATED:
             gate, up = up.split(self.hidden, dim=-1)
-            hidden = F.silu(gate) * up
+            if self.kind == "swiglu":
+                hidden = F.silu(gate) * up
+            elif self.kind == "geglu":
+                hidden = F.gelu(gate, approximate="tanh") * up
+            else:
+                gate = gate.clamp(max=self.limit)
+                up = up.clamp(-self.limit, self.limit)
+                hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         elif self.kind == "relu2":
             hidden = torch.relu(up).square()
         else:
             hidden = F.gelu(up)
-        return F.linear(hidden, self.down)
+        return F.linear(hidden, self.down, self.down_bias)
 
 
 class DenseMLP:
@@ -57,7 +88,9 @@ class DenseMLP:
     def __init__(
         self, config: ModelConfig, prefix: str, weights: WeightSource, tp: AxisComm
     ) -> None:
-        self.mlp = MLP(config.mlp_kind, prefix, config.mlp_hidden, weights, tp, config.dtype)
+        c = config
+        clamp = (c.swiglu_alpha, c.swiglu_limit)
+        self.mlp = MLP(c.mlp_kind, prefix, c.mlp_hidden, weights, tp, c.dtype, clamp)
 
     def to(self, device: torch.device) -> None:
         self.mlp.to(device)
@@ -69,7 +102,8 @@ class DenseMLP:
 class MoE:
     """Top-k routed experts plus an optional shared expert.
 
-    ``softmax`` router: top-k of the logits, weights = softmax over those k (Granite).
+    ``softmax`` router: top-k of the logits (plus ``router_bias`` with
+    ``router_has_bias``), weights = softmax over those k (Granite, gpt-oss).
     ``sigmoid`` router: scores = sigmoid(logits); experts chosen by top-k of
     ``scores + bias`` inside the ``router_topk_groups`` best groups (a group's value is
     the sum of its two best biased scores); weights = the chosen scores, divided by their
@@ -83,10 +117,11 @@ class MoE:
         self.config = c
         self.router = weights.get(f"{prefix}.router").to(c.dtype)
         self.router_bias = None
-        if c.router == "sigmoid":
+        if c.router == "sigmoid" or c.router_has_bias:
             self.router_bias = weights.get(f"{prefix}.router_bias").float()
+        clamp = (c.swiglu_alpha, c.swiglu_limit)
         self.experts = [
-            MLP(c.mlp_kind, f"{prefix}.experts.{e}", c.expert_hidden, weights, tp, c.dtype)
+            MLP(c.mlp_kind, f"{prefix}.experts.{e}", c.expert_hidden, weights, tp, c.dtype, clamp)
             for e in range(c.num_experts)
         ]
         self.shared = None
@@ -106,7 +141,9 @@ class MoE:
         """(expert ids ``[T, k]`` int64, weights ``[T, k]`` float32) for tokens ``x`` ``[T, D]``."""
         c = self.config
         logits = F.linear(x, self.router).float()
-        if self.router_bias is None:
+        if c.router == "softmax":
+            if self.router_bias is not None:  # a bias on the logits (gpt-oss)
+                logits = logits + self.router_bias
             top, ids = logits.topk(c.experts_per_token, dim=-1)
             return ids, torch.softmax(top, dim=-1)
         scores = logits.sigmoid()
