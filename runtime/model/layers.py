@@ -78,27 +78,18 @@ class PartialAttention:
 
 
 def attend(
-    q: Tensor,
-    q_pos: Tensor,
-    k: Tensor,
-    v: Tensor,
-    k_pos: Tensor,
-    scale: float,
-    window: int = 0,
+    q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, scale: float
 ) -> PartialAttention:
     """Causal GQA attention of ``q`` ``[T, H, E]`` over ``k``/``v`` ``[L, G, E]`` (float32).
 
-    A key is visible iff its position is <= the query's (and, with a ``window`` W > 0,
-    > the query's - W). With no visible key a row has ``lse = -inf`` and ``out = 0`` (so
-    that log-sum-exp merging ignores it).
+    A key is visible iff its position is <= the query's. With no visible key a row has
+    ``lse = -inf`` and ``out = 0`` (so that log-sum-exp merging ignores it).
     """
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
     scores = torch.einsum("the,lhe->htl", q.float(), kf) * scale
     hidden = k_pos[None, None, :] > q_pos[None, :, None]
-    if window:
-        hidden = hidden | (k_pos[None, None, :] <= q_pos[None, :, None] - window)
     scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, T]
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)

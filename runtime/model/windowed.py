@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.model.config import ModelConfig
-from runtime.model.layers import Attention, attend, rms_norm
+from runtime.model.layers import Attention, rms_norm
 from runtime.model.parallel import AxisComm, kv_shard_positions
 from runtime.model.state import SeqState
 from runtime.model.weights import WeightSource
@@ -45,6 +45,36 @@ def rope_freqs(x: Tensor, positions: Tensor, inv_freq: Tensor, cos_scale: float)
 def default_inv_freq(theta: float, dim: int) -> Tensor:
     """Plain RoPE frequencies ``theta ** (-2i / dim)`` of ``dim / 2`` pairs (float32)."""
     return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+QUERY_BLOCK = 128
+"""Queries per block of a prefill's attention: scores of one block are ``H x 128 x keys``
+floats, so a long prompt never materialises a ``T x T`` score matrix per head."""
+
+
+def grouped_attention(
+    q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, k_pos: Tensor, scale: float, window: int
+) -> tuple[Tensor, Tensor]:
+    """GQA of ``q`` ``[T, H, E]`` (at ``q_pos``) over ``k``/``v`` ``[L, G, E]`` (at ``k_pos``):
+    a key is visible iff ``q - window < k <= q`` (``window`` 0: ``k <= q``). Each KV head's
+    query heads form one matmul row block (no K/V copy per query head). Returns float32
+    ``out`` ``[T, H, E]`` and ``lse`` ``[T, H]`` (``-inf`` and 0 where no key is visible)."""
+    t, heads, e = q.shape
+    g = k.shape[1]
+    rep = heads // g
+    qf = q.float().view(t, g, rep, e).permute(1, 2, 0, 3).reshape(g, rep * t, e)
+    kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [G, L, E]
+    scores = torch.matmul(qf, kf.transpose(1, 2)).mul_(scale)  # [G, rep*T, L]
+    pos = q_pos.repeat(rep)[:, None]  # [rep*T, 1]
+    hidden = k_pos[None, :] > pos
+    if window:
+        hidden = hidden | (k_pos[None, :] <= pos - window)
+    scores = scores.masked_fill_(hidden[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [G, rep*T]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
+    out = torch.matmul(probs, vf)  # [G, rep*T, E]
+    out = out.view(g, rep, t, e).permute(2, 0, 1, 3).reshape(t, heads, e)
+    return out, lse.view(g, rep, t).permute(2, 0, 1).reshape(t, heads)
 
 
 def merge_with_lse(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
@@ -145,11 +175,18 @@ class WindowedAttention(Attention):
         return max(0, position - self.window + 1) if self.window else 0
 
     def _attend_all(self, q: Tensor, q_pos: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        # q [T, H, E] at q_pos over the keys at 0..L-1 (only the visible tail is read).
-        lo = self._first_key(int(q_pos[0]))
-        k_pos = torch.arange(lo, keys.shape[0], device=q.device)
-        part = attend(q, q_pos, keys[lo:], values[lo:], k_pos, self.scale, self.window)
-        return apply_sinks(part.out, part.lse, self.sinks)
+        # q [T, H, E] at consecutive positions q_pos over the keys at 0..L-1, in blocks of
+        # queries (bounded score memory); each block reads only the keys it can see.
+        outs = []
+        for b0 in range(0, q.shape[0], QUERY_BLOCK):
+            b1 = min(b0 + QUERY_BLOCK, q.shape[0])
+            lo, hi = self._first_key(int(q_pos[b0])), int(q_pos[b1 - 1]) + 1
+            k_pos = torch.arange(lo, hi, device=q.device)
+            out, lse = grouped_attention(
+                q[b0:b1], q_pos[b0:b1], keys[lo:hi], values[lo:hi], k_pos, self.scale, self.window
+            )
+            outs.append(apply_sinks(out, lse, self.sinks))
+        return torch.cat(outs)
 
     def prefill(
         self, x: Tensor, bounds: list[tuple[int, int]], state: SeqState, cp: AxisComm, tp: AxisComm
@@ -189,10 +226,10 @@ class WindowedAttention(Attention):
             keys = rows.read(state, "k", lid, pos + 1, cp)
             values = rows.read(state, "v", lid, pos + 1, cp)
             k_pos = kv_shard_positions(pos + 1, self.page_size, cp.size, cp.rank).to(x.device)
-            part = attend(
+            out, lse = grouped_attention(
                 q[i : i + 1], positions[i : i + 1], keys, values, k_pos, self.scale, self.window
             )
-            parts.append(torch.cat([part.out, part.lse[..., None]], dim=-1))
+            parts.append(torch.cat([out, lse[..., None]], dim=-1))
         gathered = cp.all_gather(torch.cat(parts))  # [cp, B, H, E + 1]
         out, lse = merge_with_lse(gathered[..., :-1], gathered[..., -1])
         return self._project(apply_sinks(out, lse, self.sinks), x.dtype, tp)

@@ -17,7 +17,7 @@ import torch
 
 from runtime.checkpoints import load_checkpoint
 from runtime.engine import Engine
-from runtime.model import HybridModel
+from runtime.model import HybridModel, windowed
 from tests.checkpoint_cases import (
     ATOL,
     assert_greedy_equals_generate,
@@ -41,7 +41,11 @@ def _theirs(directory: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_logits_equal_transformers(root: Path, case: str) -> None:
+@pytest.mark.parametrize("block", [128, 7])
+def test_logits_equal_transformers(root: Path, case: str, block: int, monkeypatch) -> None:
+    # block 7: the prefill's attention runs in several query blocks, each reading only
+    # the keys its queries can see.
+    monkeypatch.setattr(windowed, "QUERY_BLOCK", block)
     directory = build(case, root)
     ckpt = load_checkpoint(directory)
     ids = prompt_ids(LENGTH)
