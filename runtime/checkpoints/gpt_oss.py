@@ -115,9 +115,7 @@ class GptOssAdapter:
         experts = f"{mlp}.experts"
         if part in ("gate", "up"):
             row0 = 0 if part == "gate" else 1
-            return TensorRef(
-                f"{experts}.gate_up_proj", row0, f, expert=e, step=2, transposed=True
-            )
+            return TensorRef(f"{experts}.gate_up_proj", row0, f, expert=e, step=2, transposed=True)
         if part in ("gate_bias", "up_bias"):
             row0 = 0 if part == "gate_bias" else 1
             return TensorRef(f"{experts}.gate_up_proj_bias", row0, f, expert=e, step=2)

@@ -286,9 +286,7 @@ class ModelConfig:
 
     def _check_windowed(self) -> None:
         w = self.layer_windows
-        if w and (
-            len(w) != self.num_layers or any(not isinstance(x, int) or x < 0 for x in w)
-        ):
+        if w and (len(w) != self.num_layers or any(not isinstance(x, int) or x < 0 for x in w)):
             raise ValueError(
                 f"ModelConfig.layer_windows={w!r} must hold one int >= 0 per layer "
                 f"({self.num_layers})"

@@ -19,7 +19,6 @@ from runtime.model.config import ModelConfig
 from runtime.model.parallel import AxisComm
 from runtime.model.weights import WeightSource
 
-
 GATED = ("swiglu", "geglu", "swiglu_clamp")
 
 
@@ -146,6 +145,7 @@ class MoE:
                 logits = logits + self.router_bias
             top, ids = logits.topk(c.experts_per_token, dim=-1)
             return ids, torch.softmax(top, dim=-1)
+        assert self.router_bias is not None  # the sigmoid router always has one
         scores = logits.sigmoid()
         choice = scores + self.router_bias
         groups = c.router_groups

@@ -39,8 +39,14 @@ def _setup(tmp_path: Path, case: str) -> tuple[Path, Path, list[list[int]]]:
         ("gpt_oss", ("--pp", "2")),
         ("gemma3", ("--pp", "2")),
     ],
-    ids=["gpt_oss-1rank", "gemma3-1rank", "gpt_oss-1x2x2", "gemma3-1x2x2", "gpt_oss-2x1x1",
-         "gemma3-2x1x1"],  # fmt: skip
+    ids=[
+        "gpt_oss-1rank",
+        "gemma3-1rank",
+        "gpt_oss-1x2x2",
+        "gemma3-1x2x2",
+        "gpt_oss-2x1x1",
+        "gemma3-2x1x1",
+    ],  # fmt: skip
 )
 def test_windowed_serve_equals_transformers_generate(tmp_path: Path, case: str, mesh) -> None:
     directory, prompts, want = _setup(tmp_path, case)
