@@ -91,7 +91,8 @@ class Gemma3Adapter:
             rope_inv_freq=inv_freq,
             local_rope_theta=local_theta,
             attn_scale=float(v("query_pre_attn_scalar", 256)) ** -0.5,
-            embed_scale=float(d) ** 0.5,
+            # transformers rounds the scale to the weights' dtype before multiplying.
+            embed_scale=float(torch.tensor(float(d) ** 0.5, dtype=dtype)),
             mlp_hidden=v("intermediate_size", 9216),
             mlp_kind="geglu",
             tie_embeddings=bool(v("tie_word_embeddings", True)),

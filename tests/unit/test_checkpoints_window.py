@@ -165,3 +165,21 @@ def test_config_follows_the_checkpoint(root: Path, case: str) -> None:
     # Windowed layers are cached as full KV layers (every token's K/V is kept).
     spec = c.state_spec(16)
     assert spec.kv is not None and spec.kv.layer_ids == tuple(range(c.num_layers))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bfloat16_close_to_transformers(root: Path, case: str) -> None:
+    # bfloat16 rounding moves transformers' own logits away from its float32 ones; ours
+    # must stay as close to float32 as transformers' bfloat16 (at most 1.5x its error).
+    directory = build(case, root)
+    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
+    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    assert model.blocks[0].mixer.wqkv.dtype == torch.bfloat16
+    ids = prompt_ids(LENGTH)
+    with torch.no_grad():
+        exact = hf_model(directory)(ids[None]).logits[0].float()
+        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
+    got = model.prefill(ids, model.new_state(), all_logits=True)
+    their_err = (theirs - exact).abs().max()
+    assert 0 < their_err < 0.5 * exact.abs().max()
+    assert (got - exact).abs().max() <= 1.5 * their_err
