@@ -174,16 +174,25 @@ class WindowedAttention(Attention):
         """The first key position a query at ``position`` sees."""
         return max(0, position - self.window + 1) if self.window else 0
 
-    def _attend_all(self, q: Tensor, q_pos: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-        # q [T, H, E] at consecutive positions q_pos over the keys at 0..L-1, in blocks of
-        # queries (bounded score memory); each block reads only the keys it can see.
+    def _attend_all(
+        self, q: Tensor, q_pos: Tensor, keys: Tensor, values: Tensor, first: int = 0
+    ) -> Tensor:
+        # q [T, H, E] at consecutive positions q_pos over the keys at first..first+L-1, in
+        # blocks of queries (bounded score memory); each block uses only the keys it sees.
         outs = []
         for b0 in range(0, q.shape[0], QUERY_BLOCK):
             b1 = min(b0 + QUERY_BLOCK, q.shape[0])
             lo, hi = self._first_key(int(q_pos[b0])), int(q_pos[b1 - 1]) + 1
+            assert lo >= first, (lo, first)
             k_pos = torch.arange(lo, hi, device=q.device)
             out, lse = grouped_attention(
-                q[b0:b1], q_pos[b0:b1], keys[lo:hi], values[lo:hi], k_pos, self.scale, self.window
+                q[b0:b1],
+                q_pos[b0:b1],
+                keys[lo - first : hi - first],
+                values[lo - first : hi - first],
+                k_pos,
+                self.scale,
+                self.window,
             )
             outs.append(apply_sinks(out, lse, self.sinks))
         return torch.cat(outs)
@@ -199,9 +208,19 @@ class WindowedAttention(Attention):
         lengths = [e - s for s, e in bounds]
         k_new = torch.cat(cp.all_gather_ragged(k, lengths))
         v_new = torch.cat(cp.all_gather_ragged(v, lengths))
-        k_all = rows.extend(state, "k", lid, k_new, prefix_len, cp)
-        v_all = rows.extend(state, "v", lid, v_new, prefix_len, cp)
-        out = self._attend_all(q, positions, k_all, v_all) if q.shape[0] else q.float()
+        end = prefix_len + k_new.shape[0]
+        if self.window and not rows.sharded(cp):
+            # Store every new row, read back only the keys this rank's queries can see.
+            lo = self._first_key(prefix_len + start)
+            rows.append(state, "k", lid, k_new, prefix_len, cp)
+            rows.append(state, "v", lid, v_new, prefix_len, cp)
+            k_all = rows.read_range(state, "k", lid, lo, end)
+            v_all = rows.read_range(state, "v", lid, lo, end)
+        else:
+            lo = 0
+            k_all = rows.extend(state, "k", lid, k_new, prefix_len, cp)
+            v_all = rows.extend(state, "v", lid, v_new, prefix_len, cp)
+        out = self._attend_all(q, positions, k_all, v_all, lo) if q.shape[0] else q.float()
         return self._project(out, x.dtype, tp)
 
     def decode(self, x: Tensor, states: Sequence[SeqState], cp: AxisComm, tp: AxisComm) -> Tensor:
@@ -214,9 +233,12 @@ class WindowedAttention(Attention):
             outs = []
             for i, state in enumerate(states):
                 pos = state.num_tokens
-                keys = rows.extend(state, "k", lid, k[i : i + 1], pos, cp)
-                values = rows.extend(state, "v", lid, v[i : i + 1], pos, cp)
-                outs.append(self._attend_all(q[i : i + 1], positions[i : i + 1], keys, values))
+                rows.append(state, "k", lid, k[i : i + 1], pos, cp)
+                rows.append(state, "v", lid, v[i : i + 1], pos, cp)
+                lo = self._first_key(pos)  # only the window's pages are read
+                keys = rows.read_range(state, "k", lid, lo, pos + 1)
+                values = rows.read_range(state, "v", lid, lo, pos + 1)
+                outs.append(self._attend_all(q[i : i + 1], positions[i : i + 1], keys, values, lo))
             return self._project(torch.cat(outs), x.dtype, tp)
         parts = []
         for i, state in enumerate(states):
