@@ -44,7 +44,8 @@ from runtime.checkpoints import load_checkpoint  # noqa: E402
 from runtime.model import HybridModel, preset  # noqa: E402
 
 ARCHS = (
-    "granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35", "deepseek_v32"
+    "granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35", "deepseek_v32",
+    "gpt_oss", "gemma3",
 )  # fmt: skip
 
 
@@ -126,6 +127,26 @@ def build_checkpoint(arch: str, directory: Path) -> Path:
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
         model = transformers.DeepseekV32ForCausalLM(config)
+    elif arch == "gpt_oss":  # alternating 128-token sliding / full layers, sinks, MoE
+        config = transformers.GptOssConfig(
+            **common,
+            head_dim=64,
+            num_hidden_layers=len(layers),
+            sliding_window=128,
+            intermediate_size=512,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        )
+        model = transformers.GptOssForCausalLM(config)
+    elif arch == "gemma3":  # 5 local (512-token window) : 1 global, sandwich norms, GeGLU
+        config = transformers.Gemma3TextConfig(
+            **common,
+            head_dim=64,
+            num_hidden_layers=6,
+            sliding_window=512,
+            intermediate_size=1536,
+        )
+        model = transformers.Gemma3ForCausalLM(config)
     elif arch == "bamba":
         config = transformers.BambaConfig(
             **common,

@@ -18,7 +18,7 @@ import torch
 from runtime.checkpoints import load_checkpoint
 from runtime.model import HybridModel
 from runtime.model.config import preset
-from tests import checkpoint_cases, deepseek_cases, qwen_cases
+from tests import checkpoint_cases, deepseek_cases, qwen_cases, window_cases
 
 PAGE = 16
 FAMILIES = (
@@ -27,6 +27,7 @@ FAMILIES = (
     *checkpoint_cases.CASES,
     *checkpoint_cases.DENSE_CASES,
     *qwen_cases.CASES,
+    *window_cases.CASES,
     "deepseek_v32",
     "deepseek_ties",
 )
@@ -40,6 +41,8 @@ def build_family(name: str, root: Path) -> tuple[HybridModel, Path | None]:
         directory = checkpoint_cases.build(name, root)
     elif name in qwen_cases.CASES:
         directory = qwen_cases.build(name, root)
+    elif name in window_cases.CASES:
+        directory = window_cases.build(name, root)
     elif name == "deepseek_v32":
         directory = deepseek_cases.build(root)
     else:

@@ -34,6 +34,11 @@ class TensorRef:
     """Logical rows (None: all rows from ``row0``)."""
     expert: int | None = None
     squeeze: bool = False
+    step: int = 1
+    """Logical row ``i`` is stored row ``row0 + i * step`` (interleaved packing, e.g.
+    gpt-oss's ``gate_up_proj``: gate at even, up at odd columns)."""
+    transposed: bool = False
+    """Stored as ``[in, out]`` (``x @ W``): logical rows are the stored last dim."""
 
 
 class Adapter(Protocol):
@@ -132,21 +137,38 @@ class CheckpointWeights:
         handle = self.files.slice(ref.name)
         shape = handle.get_shape()
         lead: tuple[Any, ...] = () if ref.expert is None else (slice(ref.expert, ref.expert + 1),)
-        total = ref.rows if ref.rows is not None else shape[len(lead)] - ref.row0
+        row_dim = len(shape) - 1 if ref.transposed else len(lead)
+        step = ref.step
+        total = ref.rows if ref.rows is not None else -(-(shape[row_dim] - ref.row0) // step)
         row_ranges = rows if rows is not None else ((0, total),)
         parts = []
         for a, b in row_ranges:
             assert 0 <= a <= b <= total, (name, a, b, total)
-            index = (*lead, slice(ref.row0 + a, ref.row0 + b))
-            if cols is None:
-                block = handle[index]
-            else:
-                block = torch.cat([handle[(*index, slice(c0, c1))] for c0, c1 in cols], dim=-1)
+            stored = slice(ref.row0 + a * step, ref.row0 + max(b - 1, a) * step + (b > a))
+            block = self._read(handle, lead, stored, cols, ref.transposed)
+            if step > 1:
+                block = block[(slice(None),) * row_dim + (slice(None, None, step),)]
             if ref.expert is not None:
                 block = block[0]
+            if ref.transposed:
+                block = block.transpose(-1, -2)
             if ref.squeeze:
                 block = block[:, 0]
-            parts.append(block)
+            parts.append(block.contiguous())
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+    @staticmethod
+    def _read(
+        handle: Any, lead: tuple[Any, ...], stored: slice, cols: Ranges | None, transposed: bool
+    ) -> Tensor:
+        # The stored block of logical rows ``stored`` (and logical columns ``cols``).
+        if transposed:
+            if cols is None:
+                return handle[(*lead, slice(None), stored)]
+            return torch.cat([handle[(*lead, slice(c0, c1), stored)] for c0, c1 in cols], dim=-2)
+        index = (*lead, stored)
+        if cols is None:
+            return handle[index]
+        return torch.cat([handle[(*index, slice(c0, c1))] for c0, c1 in cols], dim=-1)

@@ -20,6 +20,8 @@ from runtime.checkpoints import (
     bamba,
     deepseek_v32,
     dense,
+    gemma3,
+    gpt_oss,
     granitemoehybrid,
     nemotron_h,
     qwen3_next,
@@ -40,6 +42,8 @@ _ALL: tuple[Adapter, ...] = (
     *qwen3_next.ADAPTERS,
     deepseek_v32.ADAPTER,
     *dense.ADAPTERS,
+    gpt_oss.ADAPTER,
+    gemma3.ADAPTER,
 )
 ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))

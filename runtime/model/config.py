@@ -25,10 +25,10 @@ ATTENTION = "A"
 SSM = "S"
 MLP = "M"
 MOE = "E"
-MLP_KINDS = ("swiglu", "gelu", "relu2")
+MLP_KINDS = ("swiglu", "gelu", "relu2", "geglu", "swiglu_clamp")
 ROUTERS = ("softmax", "sigmoid")
 SSM_KINDS = ("mamba2", "gdn")
-ATTN_KINDS = ("plain", "gated", "mla")
+ATTN_KINDS = ("plain", "gated", "mla", "windowed")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMERICS_VERSION = 2
 """The runtime's numerics for given weights, part of every model id it derives. Bump it
@@ -68,7 +68,16 @@ class ModelConfig:
     mlp_hidden: int = 128
     """Hidden width of each MLP (divisible by tp)."""
     mlp_kind: str = "swiglu"
-    """``swiglu`` (silu(gate) * up), ``gelu`` or ``relu2`` (squared ReLU); also the experts'."""
+    """``swiglu`` (silu(gate) * up), ``gelu``, ``relu2`` (squared ReLU), ``geglu``
+    (gelu_tanh(gate) * up, Gemma 3) or ``swiglu_clamp`` (gpt-oss: gate and up clamped to
+    ``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``, with biases);
+    also the experts'."""
+    swiglu_alpha: float = 1.702
+    """``swiglu_clamp``: the sigmoid's slope."""
+    swiglu_limit: float = 7.0
+    """``swiglu_clamp``: gate <= limit, -limit <= up <= limit."""
+    router_has_bias: bool = False
+    """The ``softmax`` router's logits have a bias (``router_bias``; gpt-oss)."""
     block_pattern: str = ""
     """Blocks in order: ``A``/``S`` mixers (exactly ``layer_pattern``'s letters, in order),
     ``M`` dense MLP, ``E`` MoE. Empty: every mixer followed by one ``M``."""
@@ -158,12 +167,24 @@ class ModelConfig:
     empty: ``rope_theta ** (-2i / dim)``."""
     rope_cos_scale: float = 1.0
     """MLA: multiplies RoPE's cos and sin (YaRN's attention factor)."""
+    layer_windows: tuple[int, ...] = ()
+    """``windowed`` attention: per layer, 0 for full attention or the window W of a
+    sliding-window layer (a query at position p sees keys at ``p - W < k <= p``). Empty:
+    every layer full."""
+    attn_sinks: bool = False
+    """``windowed``: every query head has a learned sink logit (``sinks``, gpt-oss) that
+    joins the softmax's denominator and attends to nothing."""
     attn_bias: bool = False
-    """Plain attention: the q, k, v projections have a bias (Qwen2); names ``q_bias``,
-    ``k_bias``, ``v_bias``."""
+    """Plain attention: the q, k, v projections have a bias (Qwen2; ``q_bias``, ``k_bias``,
+    ``v_bias``); ``windowed``: q, k, v and o projections have biases."""
     qk_norm: bool = False
-    """Plain attention: a per-head RMSNorm on q and k before RoPE (Qwen3); ``q_norm``,
-    ``k_norm`` ``[E]``."""
+    """Plain and ``windowed`` attention: a per-head RMSNorm on q and k before RoPE (Qwen3,
+    Gemma 3; ``q_norm``, ``k_norm`` ``[E]``, plus ``norm_offset``)."""
+    sandwich_norm: bool = False
+    """Every block's output is RMS-normed (``post_norm``) before the residual add (Gemma 3)."""
+    local_rope_theta: float = 0.0
+    """``windowed``: RoPE base of the sliding-window layers (plain RoPE); 0: as full layers.
+    Full layers use ``rope_inv_freq`` / ``rope_cos_scale`` when set, else ``rope_theta``."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -231,13 +252,21 @@ class ModelConfig:
             raise ValueError("ModelConfig.ssm_kind='gdn' needs ssm_groups (key heads) > 0")
         if self.attn_kind == "mla":
             self._check_mla()
+        elif self.attn_kind == "windowed":
+            self._check_windowed()
         elif self.rope_cos_scale != 1.0:
-            raise ValueError("ModelConfig.rope_cos_scale is MLA-only")
-        elif self.rope_inv_freq and len(self.rope_inv_freq) != self.rope_dim // 2:
+            raise ValueError("ModelConfig.rope_cos_scale is for MLA and windowed attention only")
+        if self.attn_kind != "mla" and (
+            self.rope_inv_freq and len(self.rope_inv_freq) != self.rope_dim // 2
+        ):
             raise ValueError(
                 f"ModelConfig.rope_inv_freq has {len(self.rope_inv_freq)} values, want "
                 f"rope_dim / 2 = {self.rope_dim // 2}"
             )
+        if self.attn_kind != "windowed" and (self.layer_windows or self.attn_sinks):
+            raise ValueError("ModelConfig.layer_windows / attn_sinks need attn_kind='windowed'")
+        if self.attn_kind == "mla" and (self.attn_bias or self.qk_norm):
+            raise ValueError("ModelConfig.attn_bias / qk_norm are for plain and windowed attention")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"ModelConfig.dtype={self.dtype}; valid: {list(DTYPES.values())}")
 
@@ -268,6 +297,20 @@ class ModelConfig:
                 f"ModelConfig.rope_inv_freq has {len(self.rope_inv_freq)} values, want "
                 f"qk_rope_head_dim / 2 = {self.qk_rope_head_dim // 2}"
             )
+
+    def _check_windowed(self) -> None:
+        w = self.layer_windows
+        if w and (len(w) != self.num_layers or any(not isinstance(x, int) or x < 0 for x in w)):
+            raise ValueError(
+                f"ModelConfig.layer_windows={w!r} must hold one int >= 0 per layer "
+                f"({self.num_layers})"
+            )
+        if any(x and self.layer_pattern[i] != ATTENTION for i, x in enumerate(w)):
+            raise ValueError(f"ModelConfig.layer_windows={w!r}: only attention layers have windows")
+
+    def window(self, layer_id: int) -> int:
+        """The sliding window of attention layer ``layer_id`` (0: full attention)."""
+        return self.layer_windows[layer_id] if self.layer_windows else 0
 
     # -- derived shapes -----------------------------------------------------------------------
 

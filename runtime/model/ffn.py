@@ -20,34 +20,67 @@ from runtime.model.parallel import AxisComm
 from runtime.model.select import top_k, top_k_mask
 from runtime.model.weights import WeightSource
 
+GATED = ("swiglu", "geglu", "swiglu_clamp")
+
 
 class MLP:
-    """``swiglu``: ``down(silu(gate x) * up x)``; ``gelu``: ``down(gelu(up x))``;
-    ``relu2``: ``down(relu(up x)^2)``. ``__call__`` returns this rank's partial sum."""
+    """``swiglu``: ``down(silu(gate x) * up x)``; ``geglu``: ``down(gelu_tanh(gate x) *
+    up x)``; ``swiglu_clamp``: gpt-oss's clamped SwiGLU with biases (``gate_bias``,
+    ``up_bias``, ``down_bias``; the down bias is added by tp rank 0 only, so the reduced sum
+    holds it once); ``gelu``: ``down(gelu(up x))``; ``relu2``: ``down(relu(up x)^2)``.
+    ``__call__`` returns this rank's partial sum."""
 
     def __init__(
-        self, kind: str, prefix: str, hidden: int, weights: WeightSource, tp: AxisComm, dtype
+        self,
+        kind: str,
+        prefix: str,
+        hidden: int,
+        weights: WeightSource,
+        tp: AxisComm,
+        dtype,
+        clamp: tuple[float, float] = (1.702, 7.0),
     ) -> None:
         f0, f1 = tp_split(hidden, tp.size, tp.rank)
         self.kind = kind
         self.hidden = f1 - f0
+        self.alpha, self.limit = clamp
         up = weights.get(f"{prefix}.up", rows=((f0, f1),))
-        if kind == "swiglu":  # [gate | up] in one GEMM
+        if kind in GATED:  # [gate | up] in one GEMM
             up = torch.cat([weights.get(f"{prefix}.gate", rows=((f0, f1),)), up])
         self.up = up.to(dtype)
         self.down = weights.get(f"{prefix}.down", cols=((f0, f1),)).to(dtype)
+        self.up_bias: Tensor | None = None
+        self.down_bias: Tensor | None = None
+        if kind == "swiglu_clamp":
+            gate_b = weights.get(f"{prefix}.gate_bias", rows=((f0, f1),))
+            self.up_bias = torch.cat([gate_b, weights.get(f"{prefix}.up_bias", rows=((f0, f1),))])
+            self.up_bias = self.up_bias.to(dtype)
+            down_b = weights.get(f"{prefix}.down_bias").to(dtype)
+            self.down_bias = down_b if tp.rank == 0 else torch.zeros_like(down_b)
 
     def to(self, device: torch.device) -> None:
         self.up, self.down = self.up.to(device), self.down.to(device)
+        self.biases_to(device)
+
+    def biases_to(self, device: torch.device) -> None:
+        if self.up_bias is not None and self.down_bias is not None:
+            self.up_bias, self.down_bias = self.up_bias.to(device), self.down_bias.to(device)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return F.linear(self.activate(F.linear(x, self.up)), self.down)
+        up = F.linear(x, self.up, self.up_bias)
+        return F.linear(self.activate(up), self.down, self.down_bias)
 
     def activate(self, up: Tensor) -> Tensor:
         """The hidden activations of the up projection ``up`` ``[..., (2)F]``."""
-        if self.kind == "swiglu":
+        if self.kind in GATED:
             gate, up = up.split(self.hidden, dim=-1)
-            return F.silu(gate) * up
+            if self.kind == "swiglu":
+                return F.silu(gate) * up
+            if self.kind == "geglu":
+                return F.gelu(gate, approximate="tanh") * up
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         if self.kind == "relu2":
             return torch.relu(up).square()
         return F.gelu(up)
@@ -59,7 +92,9 @@ class DenseMLP:
     def __init__(
         self, config: ModelConfig, prefix: str, weights: WeightSource, tp: AxisComm
     ) -> None:
-        self.mlp = MLP(config.mlp_kind, prefix, config.mlp_hidden, weights, tp, config.dtype)
+        c = config
+        clamp = (c.swiglu_alpha, c.swiglu_limit)
+        self.mlp = MLP(c.mlp_kind, prefix, c.mlp_hidden, weights, tp, c.dtype, clamp)
 
     def to(self, device: torch.device) -> None:
         self.mlp.to(device)
@@ -71,8 +106,9 @@ class DenseMLP:
 class MoE:
     """Top-k routed experts plus an optional shared expert.
 
-    ``softmax`` router: top-k of the logits, weights = softmax over those k (Granite);
-    without ``router_normalize``, the top-k of the softmax over all experts (Qwen3-MoE's
+    ``softmax`` router: top-k of the logits (plus ``router_bias`` with
+    ``router_has_bias``), weights = softmax over those k (Granite, gpt-oss); without
+    ``router_normalize``, the top-k of the softmax over all experts (Qwen3-MoE's
     ``norm_topk_prob=False``).
     ``sigmoid`` router: scores = sigmoid(logits); experts chosen by top-k of
     ``scores + bias`` inside the ``router_topk_groups`` best groups (a group's value is
@@ -88,10 +124,11 @@ class MoE:
         self.config = c
         self.router = weights.get(f"{prefix}.router").to(c.dtype)
         self.router_bias = None
-        if c.router == "sigmoid":
+        if c.router == "sigmoid" or c.router_has_bias:
             self.router_bias = weights.get(f"{prefix}.router_bias").float()
+        clamp = (c.swiglu_alpha, c.swiglu_limit)
         self.experts = [
-            MLP(c.mlp_kind, f"{prefix}.experts.{e}", c.expert_hidden, weights, tp, c.dtype)
+            MLP(c.mlp_kind, f"{prefix}.experts.{e}", c.expert_hidden, weights, tp, c.dtype, clamp)
             for e in range(c.num_experts)
         ]
         # Every expert's weights in one tensor (the experts' own are views of it); small
@@ -111,7 +148,7 @@ class MoE:
         x, d = self.w_down.shape[:2]
         self.per_token_all = x * (self.w_up[0].numel() + self.w_down[0].numel())
         self.down_all: Tensor | None = None  # [D, X*F]: expert e's columns at e*F
-        if self.per_token_all <= DENSE_LIMIT:
+        if self.per_token_all <= DENSE_LIMIT and self.experts[0].up_bias is None:
             self.down_all = self.w_down.permute(1, 0, 2).reshape(d, -1).contiguous()
 
     def to(self, device: torch.device) -> None:
@@ -120,6 +157,8 @@ class MoE:
             self.router_bias = self.router_bias.to(device)
         self.w_up, self.w_down = self.w_up.to(device), self.w_down.to(device)
         self._view_experts()
+        for mlp in self.experts:  # their weights are views of w_up / w_down
+            mlp.biases_to(device)
         if self.shared is not None:
             self.shared.to(device)
 
@@ -127,12 +166,15 @@ class MoE:
         """(expert ids ``[T, k]`` int64, weights ``[T, k]`` float32) for tokens ``x`` ``[T, D]``."""
         c = self.config
         logits = F.linear(x, self.router).float()
-        if self.router_bias is None:
+        if c.router == "softmax":
+            if self.router_bias is not None:  # a bias on the logits (gpt-oss)
+                logits = logits + self.router_bias
             if not c.router_normalize:  # the top-k of the softmax over all experts
                 top, ids = top_k(torch.softmax(logits, dim=-1), c.experts_per_token)
                 return ids, top
             top, ids = top_k(logits, c.experts_per_token)
             return ids, torch.softmax(top, dim=-1)
+        assert self.router_bias is not None  # the sigmoid router always has one
         scores = logits.sigmoid()
         choice = scores + self.router_bias
         groups = c.router_groups

@@ -30,6 +30,7 @@ from runtime.model.mla import MLAttention
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
 from runtime.model.state import PageTable, SeqState
 from runtime.model.weights import SeededWeights, WeightSource
+from runtime.model.windowed import WindowedAttention
 
 
 def norm_weight(weights: WeightSource, name: str, config: ModelConfig) -> Tensor:
@@ -59,10 +60,15 @@ class Layer:
         self.layer_id = layer_id
         self.scale = config.residual_scale
         self.blocks: list[tuple[RMSNorm, object]] = []
+        self.post_norms: list[RMSNorm | None] = []
         self.mixer: Attention | MLAttention | Mamba2 | GatedDeltaNet
-        attention: type[Attention] | type[MLAttention] = Attention
-        if config.attn_kind != "plain":
-            attention = GatedAttention if config.attn_kind == "gated" else MLAttention
+        kinds: dict[str, type[Attention] | type[MLAttention]] = {
+            "plain": Attention,
+            "gated": GatedAttention,
+            "mla": MLAttention,
+            "windowed": WindowedAttention,
+        }
+        attention = kinds[config.attn_kind]
         recurrent = GatedDeltaNet if config.ssm_kind == "gdn" else Mamba2
         moe = GatedSharedMoE if config.shared_expert_gate else MoE
         for b in config.layer_blocks()[layer_id]:
@@ -82,39 +88,49 @@ class Layer:
             else:
                 op = moe(config, prefix, weights, tp)
             self.blocks.append((norm, op))
+            post = None
+            if config.sandwich_norm:
+                weight = norm_weight(weights, f"{prefix}.post_norm", config)
+                post = RMSNorm(weight, config.norm_eps)
+            self.post_norms.append(post)
 
     def to(self, device: torch.device) -> None:
         for norm, op in self.blocks:
             norm.weight = norm.weight.to(device)
             op.to(device)  # type: ignore[attr-defined]
+        for post in self.post_norms:
+            if post is not None:
+                post.weight = post.weight.to(device)
 
-    def _add(self, h: Tensor, out: Tensor) -> Tensor:
+    def _add(self, h: Tensor, out: Tensor, post: RMSNorm | None) -> Tensor:
+        if post is not None:
+            out = post(out)
         return h + out * self.scale if self.scale != 1.0 else h + out
 
     def prefill(
         self, h: Tensor, bounds: list[tuple[int, int]], state: SeqState, comms: MeshComms
     ) -> Tensor:
-        for norm, op in self.blocks:
+        for (norm, op), post in zip(self.blocks, self.post_norms, strict=True):
             x = norm(h)
             if isinstance(op, (Attention, MLAttention)):
-                h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp))
+                h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp), post)
             elif isinstance(op, (Mamba2, GatedDeltaNet)):
-                h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp))
+                h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp), post)
             else:
-                h = self._add(h, op(x, comms.tp))  # type: ignore[operator]
+                h = self._add(h, op(x, comms.tp), post)  # type: ignore[operator]
         return h
 
     def decode(self, h: Tensor, states: Sequence[SeqState], comms: MeshComms) -> Tensor:
         # h [B, D]: one token per state; every op runs the batch (one tp reduce each).
-        for norm, op in self.blocks:
+        for (norm, op), post in zip(self.blocks, self.post_norms, strict=True):
             x = norm(h)
             if isinstance(op, (Attention, MLAttention)):
-                h = self._add(h, op.decode(x, states, comms.cp, comms.tp))
+                h = self._add(h, op.decode(x, states, comms.cp, comms.tp), post)
             elif isinstance(op, (Mamba2, GatedDeltaNet)):
                 # Every cp rank runs the same tokens: the recurrence needs no cp exchange.
-                h = self._add(h, op.decode(x, states, comms.tp))
+                h = self._add(h, op.decode(x, states, comms.tp), post)
             else:
-                h = self._add(h, op(x, comms.tp))  # type: ignore[operator]
+                h = self._add(h, op(x, comms.tp), post)  # type: ignore[operator]
         return h
 
 

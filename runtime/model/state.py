@@ -143,6 +143,25 @@ class AttentionRows:
         ids = torch.tensor(pages, dtype=torch.long, device=pool.device)
         return pool[ids].flatten(0, 1)[:count]
 
+    def read_range(self, state: SeqState, name: str, layer: int, start: int, end: int) -> Tensor:
+        """The rows of tokens ``start .. end - 1`` ``[end - start, *row]`` of a rank that keeps
+        every token (not ``shard`` with cp > 1): only the pages holding them are read (a
+        view where they are one run of page ids). Read only."""
+        table = state.pages
+        if table is None:
+            return getattr(state, name)[layer][start:end]
+        pool = _pool(table, name, layer)
+        ps = pool.shape[1]
+        p0, p1 = start // ps, -(-end // ps)
+        assert p1 <= len(table.pages), (end, len(table.pages))
+        pages = table.pages[p0:p1]
+        first = pages[0] if pages else 0
+        if pages == list(range(first, first + len(pages))):
+            block = pool[first : first + len(pages)]
+        else:
+            block = pool[torch.tensor(pages, dtype=torch.long, device=pool.device)]
+        return block.flatten(0, 1)[start - p0 * ps : end - p0 * ps]
+
     def append(
         self, state: SeqState, name: str, layer: int, rows: Tensor, start: int, cp: AxisComm
     ) -> None:

@@ -25,7 +25,8 @@ name                           shape           what
 ``blocks.b.out``               ``[D, S*P]``
 ``blocks.b.{gate,up}``         ``[F, D]``      MLP (``gate`` for swiglu only)
 ``blocks.b.down``              ``[D, F]``
-``blocks.b.router``            ``[X, D]``      MoE router (``router_bias`` ``[X]``: sigmoid)
+``blocks.b.router``            ``[X, D]``      MoE router (``router_bias`` ``[X]``: sigmoid,
+                                               or ``router_has_bias``)
 ``blocks.b.experts.e.*``       as the MLP      routed expert ``e``
 ``blocks.b.shared.*``          as the MLP      shared expert
 =============================  ==============  ===========================================
@@ -35,6 +36,11 @@ MLA blocks (``runtime.model.mla``): ``q_a`` ``[Lq, D]``, ``q_a_norm`` ``[Lq]``, 
 ``[H*(N+V), Lkv]``, ``o`` ``[D, H*V]`` and the lightning indexer's ``index_q``
 ``[Hi*Di, Lq]``, ``index_k`` ``[Di, D]``, ``index_norm`` / ``index_norm_bias`` ``[Di]``,
 ``index_w`` ``[Hi, D]``.
+
+Windowed attention blocks (``runtime.model.windowed``) add, by config: ``{q,k,v,o}_bias``
+(``[H*E]``, ``[G*E]``, ``[D]``), ``sinks`` ``[H]``, ``q_norm`` / ``k_norm`` ``[E]``. With
+``sandwich_norm`` every block has ``post_norm`` ``[D]``; ``swiglu_clamp`` MLPs have
+``gate_bias`` / ``up_bias`` ``[F]`` and ``down_bias`` ``[D]``.
 """
 
 from __future__ import annotations
