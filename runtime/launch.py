@@ -1,7 +1,8 @@
 """torchrun entry point: process group and mesh from ``--pp/--cp/--tp``.
 
 This is the only module that reads the environment (torchrun's ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``; ``MESH_HICACHE_STORAGE_SECRET_FILE``); everything below it
+``WORLD_SIZE``, ``LOCAL_RANK``; ``MESH_HICACHE_STORAGE_SECRET_FILE``,
+``MESH_HICACHE_API_KEY``); everything below it
 gets its identity from the ``MeshTopology`` built here.
 
 Bounded stalls: every process group of the job (the world, the device mesh's sub-groups,
@@ -38,6 +39,8 @@ STARTUP_TIMEOUT_S = 300.0
 """How far apart the ranks of one launch may arrive (imports are slow on a loaded
 machine); the collectives after that keep ``--collective-timeout-s``."""
 """Seconds a collective may wait for a peer before the rank gives up (torch: 30 min)."""
+API_KEY_ENV = "MESH_HICACHE_API_KEY"
+"""Environment variable holding ``runtime.server``'s API key (``--api-key``)."""
 SECRET_FILE_ENV = "MESH_HICACHE_STORAGE_SECRET_FILE"
 """Environment variable naming the storage secret file (``--storage-secret-file``)."""
 
@@ -82,6 +85,11 @@ def env_storage_secret_file() -> str | None:
     return os.environ.get(SECRET_FILE_ENV) or None
 
 
+def env_api_key() -> str | None:
+    """The server's API key from ``MESH_HICACHE_API_KEY`` (None if unset or empty)."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def check_collective_timeout(timeout_s: float) -> None:
     """``LaunchError`` unless ``timeout_s`` is a positive, finite number of seconds."""
     if not (isinstance(timeout_s, int | float) and 0 < timeout_s < float("inf")):
@@ -123,6 +131,11 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def launch_rank() -> int:
+    """This process's rank in a torchrun launch (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def launch_world_size() -> int:

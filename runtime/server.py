@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,11 +53,22 @@ from mesh_hicache.cache import HiCache
 from mesh_hicache.topology import MeshTopology
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine
-from runtime.launch import LaunchError, exit_process, init_mesh, mesh_failure
+from runtime.launch import (
+    API_KEY_ENV,
+    LaunchError,
+    env_api_key,
+    exit_process,
+    init_mesh,
+    launch_rank,
+    mesh_failure,
+)
 from runtime.scheduler import SchedulerConfig
-from runtime.server_api import Reply, RequestParams, error_response, prometheus_text, send_event
+from runtime.server_api import Reply, prometheus_text, send_event
 from runtime.server_batch import BatchWorker, follow_batched
-from runtime.server_text import StreamDecoder, TextCodec
+from runtime.server_guard import DEFAULT_MAX_BODY_BYTES, BodyError, Guard, error_response, read_json
+from runtime.server_params import ParamError, PromptLimits, RequestParams, StopSpec
+from runtime.server_stop import AnswerText, answer_of
+from runtime.server_text import TextCodec
 from runtime.server_worker import (
     EngineWorker,
     FifoQueue,
@@ -117,7 +130,67 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="largest max_tokens a request may ask for",
     )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt (tokens) a request may send, checked before any work "
+        f"(default: the checkpoint's context length, {PRESET_PROMPT_TOKENS} for a preset)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; a larger one is refused (413) before it is read",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+        f"${API_KEY_ENV}, else none); prefer the variable: a flag shows in the process list",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host/Origin name a loopback-bound server also answers (repeatable; "
+        "default: loopback names only)",
+    )
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before "
+        "they are aborted",
+    )
     return p
+
+
+PRESET_PROMPT_TOKENS = 32768
+"""``--max-prompt-tokens`` of a model that states no context length (a preset)."""
+
+
+def context_length(checkpoint_dir: Path | None) -> int | None:
+    """The context length a checkpoint's ``config.json`` states (None: none)."""
+    if checkpoint_dir is None:
+        return None
+    try:
+        config = json.loads((checkpoint_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def prompt_limits(args: argparse.Namespace, context: int | None) -> PromptLimits:
+    limit = args.max_prompt_tokens
+    if limit is None:
+        limit = context if context is not None else PRESET_PROMPT_TOKENS
+    return PromptLimits(limit, context)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -146,6 +219,13 @@ class Server:
             config.vocab_size,
             checkpoint.eos_token_id if checkpoint else None,
         )
+        self.vocab_size = config.vocab_size
+        self.limits = prompt_limits(args, context_length(checkpoint.path if checkpoint else None))
+        self.guard = Guard(args.host, args.api_key, args.allowed_host, args.max_body_bytes)
+        # Requests between their arrival and their answer; SIGTERM drains them.
+        self.in_flight = 0
+        self.jobs: set[Job] = set()
+        self.draining = False
         self.leader = topology.coords == (0, 0, 0)
         # A gloo group of the whole mesh for rank 0's broadcasts (None on one rank).
         self.group = (
@@ -169,11 +249,17 @@ class Server:
         heartbeat = min(5.0, self.args.collective_timeout_s / 4)
         if self.batching is not None:
             self.worker = BatchWorker(
-                self.engine, self.queue, self.group, heartbeat, self.counters, self.batching
+                self.engine,
+                self.queue,
+                self.group,
+                heartbeat,
+                self.counters,
+                self.batching,
+                self.stopper,
             )
         else:
             self.worker = EngineWorker(
-                self.engine, self.queue, self.group, heartbeat, self.counters
+                self.engine, self.queue, self.group, heartbeat, self.counters, self.stopper
             )
         self.worker.start()
 
@@ -185,7 +271,7 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         if self.batching is not None:
-            follow_batched(self.engine, self.group, self.batching)
+            follow_batched(self.engine, self.group, self.batching, self.stopper)
         else:
             follow(self.engine, self.group)
 
@@ -198,6 +284,12 @@ class Server:
             self.cache.flush()
             self.cache.close()
 
+    def stopper(self, stop: StopSpec) -> Callable[[int], bool]:
+        """The engine-side end test of a request (every rank decodes alike)."""
+        if not stop.strings:
+            return stop.token_ids.__contains__
+        return AnswerText(self.codec, stop).ends
+
     @property
     def healthy(self) -> bool:
         return self.worker is not None and self.worker.is_alive()
@@ -206,7 +298,9 @@ class Server:
 
     def app(self) -> web.Application:
         """The aiohttp application (rank 0)."""
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(
+            client_max_size=self.guard.max_body_bytes, middlewares=[self.guard.middleware]
+        )
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
@@ -236,38 +330,67 @@ class Server:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.draining:
+            return _shutting_down()
+        self.in_flight += 1
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object")
-        if body.get("model") not in (None, self.name):
-            message = f"the model {body.get('model')!r} does not exist; this one is {self.name!r}"
-            return error_response(404, message, "model_not_found")
+            return await self._answer(request, chat)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            params = RequestParams.parse(body, self.args.max_new_tokens, self.args.max_tokens_limit)
-            if chat:
-                prompt = self.codec.encode_chat(body.get("messages"))
-            else:
-                prompt = self.codec.encode_prompt(body.get("prompt"))
+            body = await read_json(request, self.guard.max_body_bytes)
+        except BodyError as err:
+            return err.response
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return error_response(400, f"'model' must be a string, got {model!r}", param="model")
+        if model not in (None, self.name):
+            message = f"the model {model!r} does not exist; this one is {self.name!r}"
+            return error_response(404, message, "model_not_found", "model")
+        try:
+            params = RequestParams.parse(
+                body, chat, self.args.max_new_tokens, self.args.max_tokens_limit, self.vocab_size
+            )
+            if params.stop_strings and not self.codec.has_text:
+                raise ParamError(
+                    "stop",
+                    "'stop' strings need a checkpoint with tokenizer.json; this model "
+                    "takes 'stop_token_ids'",
+                )
+            encode = self.codec.encode_chat if chat else self.codec.encode_prompt
+            prompt = await asyncio.to_thread(encode, body.get("messages" if chat else "prompt"))
+            self.limits.check(len(prompt), params.max_tokens)
+        except ParamError as err:
+            return error_response(400, str(err), param=err.param)
         except ValueError as err:
-            return error_response(400, str(err))
+            return error_response(400, str(err), param="messages" if chat else "prompt")
         if not self.healthy:
             return error_response(503, "the engine has stopped", "server_error")
-        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), self.codec.eos_token_id)
-        self.queue.put(job)
-        reply = Reply(self, chat, len(prompt))
-        if params.stream:
-            return await self._stream(request, job, reply, params.include_usage)
+        stop = params.stop_spec(self.codec.eos_token_id)
+        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), stop)
+        self.jobs.add(job)
         try:
-            outcome, output = await collect(job, self.codec.eos_token_id)
-        except asyncio.CancelledError:  # the client went away
-            job.cancel()
-            raise
-        except RuntimeError as err:
-            return error_response(400, str(err))
-        return web.json_response(reply.whole(output, outcome))
+            self.queue.put(job)
+            reply = Reply(self, chat, len(prompt))
+            if params.stream:
+                return await self._stream(request, job, reply, params.include_usage)
+            try:
+                outcome = await collect(job)
+            except asyncio.CancelledError:  # the client went away
+                job.cancel()
+                raise
+            except RuntimeError as err:
+                if self.draining:
+                    return _shutting_down()
+                return error_response(400, str(err))
+            if outcome.aborted:
+                return _shutting_down()
+            answer = answer_of(self.codec, stop, outcome.output_ids)
+            return web.json_response(reply.whole(answer, outcome))
+        finally:
+            self.jobs.discard(job)
 
     async def _stream(
         self, request: web.Request, job: Job, reply: Reply, include_usage: bool
@@ -280,28 +403,32 @@ class Server:
             await response.prepare(request)
             if reply.chat:
                 await send_event(response, reply.chunk({"role": "assistant", "content": ""}))
-            decoder = StreamDecoder(self.codec)
-            output: list[int] = []
-            stopped = False
+            answer = AnswerText(self.codec, job.stop)
             while True:
                 kind, value = await job.events.get()
                 if kind == "token":
-                    if stopped or value == self.codec.eos_token_id:
-                        stopped = True
+                    if answer.stopped:
                         continue
-                    output.append(value)
-                    delta = decoder.push(value)
-                    await send_event(response, reply.delta(delta, [value]))
-                elif kind == "done":
-                    finish = "stop" if stopped else "length"
-                    await send_event(response, reply.finish(finish))
+                    before = len(answer.ids)
+                    delta = answer.push(value)
+                    ids = answer.ids[before:]
+                    if delta or ids:
+                        await send_event(response, reply.delta(delta, ids))
+                elif kind == "done" and not value.aborted:
+                    rest = answer.finish()
+                    if rest:
+                        await send_event(response, reply.delta(rest, []))
+                    await send_event(response, reply.finish(answer.finish_reason))
                     if include_usage:
-                        await send_event(response, reply.usage_chunk(output, value))
+                        await send_event(response, reply.usage_chunk(answer.ids, value))
                     await response.write(b"data: [DONE]\n\n")
                     finished = True
                     break
                 else:
-                    await send_event(response, {"error": {"message": str(value)}})
+                    message = "the server shut down before the answer was complete"
+                    if kind == "error" and not self.draining:
+                        message = str(value)
+                    await send_event(response, {"error": {"message": message}})
                     finished = True
                     break
         finally:
@@ -310,27 +437,83 @@ class Server:
         await response.write_eof()
         return response
 
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new requests; let the ones in flight finish for up to ``drain_s``
+        seconds, then abort the rest (their clients get an error) and wait for them."""
+        self.draining = True
+        deadline = time.monotonic() + drain_s
+        while self.in_flight and time.monotonic() < deadline and self.healthy:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning(
+                "runtime.server: --drain-s %.1f elapsed: aborting %d request(s)",
+                drain_s,
+                self.in_flight,
+            )
+        for job in list(self.jobs):
+            job.cancel()
+        # Aborts land at the next step; a stopped engine answers nothing more.
+        while self.in_flight and self.healthy:
+            await asyncio.sleep(0.05)
 
-async def collect(job: Job, eos_token_id: int | None) -> tuple[JobOutcome, list[int]]:
-    """Await a job's end: its outcome and its output up to (not including) the end of
-    sequence. ``RuntimeError`` with the engine's message if it failed."""
+
+def _shutting_down() -> web.Response:
+    return error_response(503, "the server is shutting down", "server_shutting_down")
+
+
+async def collect(job: Job) -> JobOutcome:
+    """Await a job's end: its outcome (the engine's output, ending token included).
+    ``RuntimeError`` with the engine's message if it failed."""
     while True:
         kind, value = await job.events.get()
         if kind == "done":
-            ids = list(value.output_ids)
-            if eos_token_id is not None and eos_token_id in ids:
-                ids = ids[: ids.index(eos_token_id)]
-            return value, ids
+            return value
         if kind == "error":
             raise RuntimeError(str(value))
 
 
+class PortBusy(Exception):
+    """The HTTP port cannot be bound (in use, or a bad address)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """``PortBusy`` naming the address when ``host:port`` cannot be bound now (before
+    the model is built; the real bind still checks)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise PortBusy(f"--host {host!r}: {err.strerror or err}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as err:
+                raise PortBusy(_bind_message(host, port, err)) from None
+
+
+def _bind_message(host: str, port: int, err: OSError) -> str:
+    if err.errno == errno.EADDRINUSE:
+        return f"{host}:{port} is already in use; pick another --port (0: a free one)"
+    return f"cannot listen on {host}:{port}: {err.strerror or err}"
+
+
 async def run_http(server: Server, stop: asyncio.Event, on_ready: Callable[[int], None]) -> None:
-    """Serve HTTP until ``stop`` is set or the engine thread ends (rank 0)."""
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    """Serve HTTP until ``stop`` is set or the engine thread ends (rank 0); then stop
+    listening and drain the requests in flight (``--drain-s``). ``PortBusy`` if the
+    port cannot be bound."""
+    runner = web.AppRunner(
+        server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+    )
     await runner.setup()
     site = web.TCPSite(runner, server.args.host, server.args.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as err:
+        await runner.cleanup()
+        raise PortBusy(_bind_message(server.args.host, server.args.port, err)) from None
     sockets = getattr(site._server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else server.args.port
     on_ready(port)
@@ -340,6 +523,8 @@ async def run_http(server: Server, stop: asyncio.Event, on_ready: Callable[[int]
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
+        await site.stop()  # no new connections
+        await server.drain(server.args.drain_s)
     finally:
         await runner.cleanup()
 
@@ -348,20 +533,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s")
+    if args.api_key is None:
+        args.api_key = env_api_key()
     try:
         serve.check_args(args)
         if args.cache == "full" and storage_requested(argv):
             check_storage_start(args.storage, args.storage_root, args.mooncake_master)
-        if not 0 <= args.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-        if args.max_tokens_limit < args.max_new_tokens:
-            raise ValueError(
-                f"--max-tokens-limit {args.max_tokens_limit} is below --max-new-tokens "
-                f"{args.max_new_tokens}"
-            )
+        check_server_args(args)
+        if launch_rank() == 0:
+            check_port_free(args.host, args.port)
         owns_group = not dist.is_initialized()
         topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
-    except (LaunchError, ValueError) as err:
+    except (LaunchError, ValueError, PortBusy) as err:
         print(f"runtime.server: error: {err}", file=sys.stderr)
         return 2
     label_rank_logs(topology)
@@ -384,8 +567,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def check_server_args(args: argparse.Namespace) -> None:
+    """``ValueError`` naming a bad HTTP flag."""
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_tokens_limit < args.max_new_tokens:
+        raise ValueError(
+            f"--max-tokens-limit {args.max_tokens_limit} is below --max-new-tokens "
+            f"{args.max_new_tokens}"
+        )
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if not args.drain_s >= 0:
+        raise ValueError(f"--drain-s must be >= 0 seconds, got {args.drain_s}")
+
+
 def _lead(server: Server) -> int:
     server.start_worker()
+    busy: list[str] = []
 
     async def main_loop() -> None:
         stop = asyncio.Event()
@@ -397,9 +598,15 @@ def _lead(server: Server) -> int:
             url = f"http://{server.args.host}:{port}/v1"
             print(f"runtime.server: serving {server.name!r} on {url}", flush=True)
 
-        await run_http(server, stop, ready)
+        try:
+            await run_http(server, stop, ready)
+        except PortBusy as err:
+            busy.append(str(err))
 
     asyncio.run(main_loop())
+    if busy:
+        print(f"runtime.server: error: {busy[0]}", file=sys.stderr, flush=True)
+        return 2
     worker = server.worker
     failed = worker is not None and worker.failure is not None
     counts = server.counters.as_dict()
