@@ -275,14 +275,23 @@ class Server:
         else:
             follow(self.engine, self.group)
 
-    def close(self) -> None:
-        """Stop the engine thread after the queued jobs, flush and close the cache."""
+    def close(self) -> bool:
+        """Stop the engine thread after the queued jobs, check that the cache holds
+        nothing for a request (rank 0 logs a leak), flush and close it. False on a leak."""
         if self.worker is not None:
             self.queue.put(None)
             self.worker.join()
+        clean = True
         if self.cache is not None:
+            if self.worker is None or self.worker.failure is None:
+                try:
+                    self.cache.check_integrity()
+                except RuntimeError as err:
+                    clean = False
+                    log.error("runtime.server: cache integrity at shutdown: %s", err)
             self.cache.flush()
             self.cache.close()
+        return clean
 
     def stopper(self, stop: StopSpec) -> Callable[[int], bool]:
         """The engine-side end test of a request (every rank decodes alike)."""
@@ -555,7 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             server.follow()
             code = 0
-        server.close()
+        if not server.close() and code == 0:
+            code = 3
     except Exception as err:
         cause = mesh_failure(err)
         if cause is None:

@@ -169,13 +169,21 @@ async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
         async for chunk in request.content.iter_chunked(1 << 16):
             size += len(chunk)
             if size > max_bytes:
-                raise BodyError(_too_large(max_bytes))
+                response = _too_large(max_bytes)
+                response.force_close()
+                raise BodyError(response)
             chunks.append(chunk)
     except BodyError:
         raise
     except Exception as err:  # a bad Content-Encoding or a broken chunked body
+        # The rest of the body cannot be read either: end it here (else aiohttp reads
+        # it again after the response and logs the same error with a traceback) and
+        # close the connection after the answer.
+        request.content.feed_eof()
         message = f"the request body cannot be read ({type(err).__name__}: {err})"
-        raise BodyError(error_response(400, message[:300])) from None
+        response = error_response(400, " ".join(message.split())[:300])
+        response.force_close()
+        raise BodyError(response) from None
     try:
         text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as err:

@@ -245,7 +245,6 @@ PARAMETERS: dict[str, Handler] = {
 _CHAT_ONLY = frozenset(
     {
         "messages",
-        "max_completion_tokens",
         "top_logprobs",
         "tools",
         "tool_choice",
