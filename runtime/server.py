@@ -59,9 +59,13 @@ from runtime.launch import (
     env_api_key,
     exit_process,
     init_mesh,
+    interruptible,
     launch_rank,
     mesh_failure,
+    quiet_parser,
+    speaks,
 )
+from runtime.mesh_config import work_config
 from runtime.scheduler import SchedulerConfig
 from runtime.server_api import Reply, prometheus_text, send_event
 from runtime.server_batch import BatchWorker, follow_batched
@@ -540,7 +544,7 @@ async def run_http(server: Server, stop: asyncio.Event, on_ready: Callable[[int]
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = quiet_parser(build_parser()).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s")
     if args.api_key is None:
         args.api_key = env_api_key()
@@ -552,9 +556,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launch_rank() == 0:
             check_port_free(args.host, args.port)
         owns_group = not dist.is_initialized()
-        topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
+        topology = init_mesh(
+            args.pp, args.cp, args.tp, args.collective_timeout_s, work_config(args)
+        )
     except (LaunchError, ValueError, PortBusy) as err:
-        print(f"runtime.server: error: {err}", file=sys.stderr)
+        if speaks(err):
+            print(f"runtime.server: error: {err}", file=sys.stderr)
         return 2
     label_rank_logs(topology)
     try:
@@ -630,4 +637,4 @@ def _lead(server: Server) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(interruptible(main, "runtime.server"))
