@@ -113,6 +113,16 @@ def test_one_rank_cli_token_ids_and_sigterm(tmp_path: Path, reference) -> None:
         out = client.completions.create(model="tiny", prompt=PROMPT)
         assert out.choices[0].token_ids == reference(PROMPT, 3)
         assert out.choices[0].text == ""  # no tokenizer: the answer is token_ids
+        assert out.choices[0].finish_reason == "length"
+        # A stop token id ends the answer before it (finish "stop"); stop strings need text.
+        ids = out.choices[0].token_ids
+        cut = client.completions.create(
+            model="tiny", prompt=PROMPT, extra_body={"stop_token_ids": [ids[1]]}
+        )
+        assert cut.choices[0].token_ids == ids[: ids.index(ids[1])]
+        assert cut.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+            client.completions.create(model="tiny", prompt=PROMPT, stop=["x"])
         with pytest.raises(openai.BadRequestError, match="list of token ids"):
             client.completions.create(model="tiny", prompt="text needs a tokenizer")
         with pytest.raises(openai.BadRequestError, match="chat needs a checkpoint"):
@@ -125,7 +135,7 @@ def test_one_rank_cli_token_ids_and_sigterm(tmp_path: Path, reference) -> None:
     finally:
         code = server.stop()
     assert code == 0, "".join(server.lines)
-    assert "2 requests served (1 uncached)" in "".join(server.lines)
+    assert "3 requests served (1 uncached)" in "".join(server.lines)
 
 
 def test_two_rank_mesh_broadcasts_requests_and_aborts(tmp_path: Path, reference) -> None:
@@ -287,7 +297,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path, drain_s: 
     try:
         started = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(_stream_tokens, server, 400 if drain_s else 2000, started)
+            future = pool.submit(_stream_tokens, server, 150 if drain_s else 2000, started)
             assert started.wait(60)
             t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
@@ -300,7 +310,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path, drain_s: 
     assert code == 0, log
     assert "Traceback" not in log and "integrity" not in log, log
     if drain_s:
-        assert result == {"tokens": 400, "finish": "length", "error": None}, result
+        assert result == {"tokens": 150, "finish": "length", "error": None}, result
         assert "1 requests served" in log, log
     else:
         assert result["error"] and result["tokens"] < 2000, result
