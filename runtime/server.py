@@ -11,13 +11,18 @@ Endpoints, on ``--host`` (default 127.0.0.1) and ``--port`` (0: a free port, pri
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: the cache's
   ``mesh_hicache_*`` counters of rank 0 and the server's ``mesh_hicache_server_*``).
 
-Decoding is greedy (``temperature``, ``top_p`` and the like are accepted and ignored;
-``n`` must be 1); a request ends after ``max_tokens`` tokens (default
-``--max-new-tokens``) or at the checkpoint's end-of-sequence token
-(``finish_reason: "stop"``; the engine stops decoding there, on every rank). ``usage``
-reports ``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served.
-Text in and out needs the checkpoint's ``tokenizer.json``; chat uses its chat template
-(see ``runtime/server_text.py``, also for the presets, which take token ids).
+Decoding is greedy. A request ends after ``max_tokens`` tokens (default
+``--max-new-tokens``; ``finish_reason: "length"``), at the checkpoint's end-of-sequence
+token, at a ``stop_token_ids`` token or where its text contains a ``stop`` string (the
+text is cut before it; streamed text that could start one is held back until it cannot):
+``finish_reason: "stop"``; the engine stops decoding there, on every rank. A field this
+server does not implement (``logprobs``, ``tools``, ``temperature`` other than 0, ``n``
+other than 1...: ``runtime/server_params.py``) is a 400 naming it. ``usage`` reports
+``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served. Every
+choice carries the answer's ``token_ids``. Text in and out needs the checkpoint's
+``tokenizer.json``; chat uses its chat template (see ``runtime/server_text.py``, also
+for the presets, which take and return token ids). Access control, limits and the
+SIGTERM drain: ``runtime/server_guard.py`` and ``docs/server_security.md``.
 
 Concurrent requests are served in one running batch (``--concurrency N``, default 8):
 one engine thread (``runtime/server_batch.py``) takes jobs from the queue in arrival
