@@ -285,20 +285,20 @@ class Server:
             follow(self.engine, self.group)
 
     def close(self) -> bool:
-        """Stop the engine thread after the queued jobs, check that the cache holds
-        nothing for a request (rank 0 logs a leak), flush and close it. False on a leak."""
+        """Stop the engine thread after the queued jobs, flush the cache, check that it
+        holds nothing for a request (a leak is logged) and close it. False on a leak."""
         if self.worker is not None:
             self.queue.put(None)
             self.worker.join()
         clean = True
         if self.cache is not None:
+            self.cache.flush()
             if self.worker is None or self.worker.failure is None:
                 try:
                     self.cache.check_integrity()
                 except RuntimeError as err:
                     clean = False
                     log.error("runtime.server: cache integrity at shutdown: %s", err)
-            self.cache.flush()
             self.cache.close()
         return clean
 

@@ -36,8 +36,11 @@ PROMPT = [(7 * i + 3) % 200 for i in range(40)]
 class Process:
     """A server subprocess; its URL is read from the line it prints when it listens."""
 
-    def __init__(self, command: list[str], tmp_path: Path) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    def __init__(
+        self, command: list[str], tmp_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.api_key = (env or {}).get("MESH_HICACHE_API_KEY", "none")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             command,
             cwd=ROOT,
@@ -69,7 +72,9 @@ class Process:
         self._seen.set()
 
     def client(self):  # -> openai.OpenAI
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.api_key, timeout=60, max_retries=0
+        )
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -293,8 +298,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path, drain_s: 
         [sys.executable, "-m", "runtime.server", "--model", "tiny", "--cache", "host"]
         + ["--port", "0", "--drain-s", str(drain_s), "--max-tokens-limit", "2000"],
         tmp_path,
+        env={"MESH_HICACHE_API_KEY": f"key-{drain_s}"},  # the key from the environment
     )
     try:
+        keyless = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            keyless.completions.create(model="tiny", prompt=PROMPT)
         started = threading.Event()
         with ThreadPoolExecutor(1) as pool:
             future = pool.submit(_stream_tokens, server, 150 if drain_s else 2000, started)
