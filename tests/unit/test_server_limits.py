@@ -213,6 +213,16 @@ def test_oversized_and_malformed_bodies_are_4xx_without_a_traceback(live, caplog
             assert got == status, (body[:40], headers, answer)
             assert set(answer["error"]) >= {"message", "type", "param", "code"}
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    # A chunked body (no Content-Length) is cut off once it passes the limit.
+    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
+    try:
+        chunks = (
+            b'{"prompt": "' if i == 0 else b"hello " * 100 for i in range(100)
+        )  # fits the socket buffers
+        conn.request("POST", "/v1/completions", body=chunks, headers=_json_headers())
+        assert conn.getresponse().status == 413
+    finally:
+        conn.close()
     # gzip that is well formed is read.
     packed = gzip.compress(json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
     assert (
