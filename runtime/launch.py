@@ -1,7 +1,8 @@
 """torchrun entry point: process group and mesh from ``--pp/--cp/--tp``.
 
 This is the only module that reads the environment (torchrun's ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``; ``MESH_HICACHE_STORAGE_SECRET_FILE``); everything below it
+``WORLD_SIZE``, ``LOCAL_RANK``; ``MESH_HICACHE_STORAGE_SECRET_FILE``,
+``MESH_HICACHE_API_KEY``); everything below it
 gets its identity from the ``MeshTopology`` built here.
 
 Bounded stalls: every process group of the job (the world, the device mesh's sub-groups,
@@ -19,10 +20,11 @@ through ``exit_process`` once they have closed what they own (see its docstring)
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import NoReturn
 
@@ -32,12 +34,15 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import init_device_mesh
 
 from mesh_hicache.topology import AXIS_ORDER, MeshTopology
+from runtime.mesh_config import first_difference
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 300.0
 """How far apart the ranks of one launch may arrive (imports are slow on a loaded
 machine); the collectives after that keep ``--collective-timeout-s``."""
 """Seconds a collective may wait for a peer before the rank gives up (torch: 30 min)."""
+API_KEY_ENV = "MESH_HICACHE_API_KEY"
+"""Environment variable holding ``runtime.server``'s API key (``--api-key``)."""
 SECRET_FILE_ENV = "MESH_HICACHE_STORAGE_SECRET_FILE"
 """Environment variable naming the storage secret file (``--storage-secret-file``)."""
 
@@ -54,7 +59,31 @@ _MESH_ERROR_MARKERS = (
 
 
 class LaunchError(ValueError):
-    """The launch configuration cannot work (printed without a traceback)."""
+    """The launch configuration cannot work (printed without a traceback).
+
+    ``everywhere``: every rank raises this same error (a wrong process count, ranks that
+    disagree), so rank 0 alone prints it."""
+
+    def __init__(self, message: str, everywhere: bool = False) -> None:
+        super().__init__(message)
+        self.everywhere = everywhere
+
+
+def speaks(err: BaseException) -> bool:
+    """Whether this rank prints ``err``: one line per cause, not one per rank. Rank 0
+    prints an error every rank has; otherwise the first rank of each node (torchrun's
+    ``LOCAL_RANK`` 0), whose ranks share the command line and so its flag errors."""
+    if isinstance(err, LaunchError) and err.everywhere:
+        return launch_rank() == 0
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def quiet_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser``, silenced on every rank of a node but its first (usage, errors and
+    ``--help`` are printed once per node, not once per rank; the exit codes stay)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        parser._print_message = lambda message, file=None: None  # type: ignore[method-assign]
+    return parser
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +109,11 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
 def env_storage_secret_file() -> str | None:
     """The storage secret file named by ``MESH_HICACHE_STORAGE_SECRET_FILE`` (None if unset)."""
     return os.environ.get(SECRET_FILE_ENV) or None
+
+
+def env_api_key() -> str | None:
+    """The server's API key from ``MESH_HICACHE_API_KEY`` (None if unset or empty)."""
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def check_collective_timeout(timeout_s: float) -> None:
@@ -125,19 +159,41 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def interruptible(main: Callable[[], int], prog: str) -> int:
+    """``main()``, with Ctrl-C as one line (rank 0) and exit code 130, no traceback."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        if launch_rank() == 0:
+            print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def launch_rank() -> int:
+    """This process's rank in a torchrun launch (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_mesh(
-    pp: int, cp: int, tp: int, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    pp: int,
+    cp: int,
+    tp: int,
+    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    config: Mapping[str, str] | None = None,
 ) -> MeshTopology:
     """Initialize the process group (NCCL on CUDA, else gloo) and return the topology.
 
     Without torchrun's environment this starts a one-rank group in memory. Raises
-    ``LaunchError`` when ``pp * cp * tp`` differs from the number of launched ranks or
-    ``timeout_s`` is not positive. A collective of any group created afterwards in this
-    process fails within ``timeout_s`` when a peer is dead or frozen (module docstring).
+    ``LaunchError`` when ``pp * cp * tp`` differs from the number of launched ranks,
+    ``timeout_s`` is not positive, or the ranks' ``config`` (``runtime.mesh_config``'s
+    flags and inputs that change the work) differ: that is compared through the
+    launch's store before the process group exists, so no collective runs on a mesh
+    whose ranks disagree. A collective of any group created afterwards in this process
+    fails within ``timeout_s`` when a peer is dead or frozen (module docstring).
     """
     for name, value in (("pp", pp), ("cp", cp), ("tp", tp)):
         if value < 1:
@@ -147,7 +203,8 @@ def init_mesh(
     if pp * cp * tp != world:
         raise LaunchError(
             f"--pp {pp} x --cp {cp} x --tp {tp} = {pp * cp * tp} ranks, but {world} were "
-            f"launched; use torchrun --nproc-per-node {pp * cp * tp}"
+            f"launched; use torchrun --nproc-per-node {pp * cp * tp}",
+            everywhere=True,
         )
     use_cuda = torch.cuda.is_available()
     device_type = "cuda" if use_cuda else "cpu"
@@ -166,7 +223,7 @@ def init_mesh(
     c10d.default_pg_nccl_timeout = timeout
     if not dist.is_initialized():
         if "RANK" in os.environ:
-            _join_world(backend, timeout)
+            _join_world(backend, timeout, dict(config or {}))
         else:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -176,18 +233,29 @@ def init_mesh(
     return MeshTopology.from_mesh(mesh)
 
 
-def _join_world(backend: str, timeout: timedelta) -> None:
-    """The default group of an env:// launch (torchrun), once every rank arrived: each
-    waits up to ``STARTUP_TIMEOUT_S`` for the others, then the group's collectives get
-    ``timeout``. (Joining with ``timeout`` alone failed a rank whose peer was still
-    importing on a loaded machine: gloo's connect waits that long for the peer.)"""
+def _join_world(backend: str, timeout: timedelta, config: dict[str, str]) -> None:
+    """The default group of an env:// launch (torchrun), once every rank arrived and
+    the ranks' ``config`` agree: each waits up to ``STARTUP_TIMEOUT_S`` for the others,
+    then the group's collectives get ``timeout``. (Joining with ``timeout`` alone failed
+    a rank whose peer was still importing on a loaded machine: gloo's connect waits that
+    long for the peer.)"""
     startup = timedelta(seconds=STARTUP_TIMEOUT_S)
     store, rank, world = next(dist.rendezvous("env://", timeout=startup))
     store.set_timeout(startup)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    keys = [f"mesh_hicache/{attempt}/arrived/{r}" for r in range(world)]
+    prefix = f"mesh_hicache/{attempt}"
+    store.set(f"{prefix}/config/{rank}", json.dumps(config, sort_keys=True))
+    keys = [f"{prefix}/arrived/{r}" for r in range(world)]
     store.set(keys[rank], "1")
     store.wait(keys)  # a DistStoreError naming the missing ranks after ``startup``
+    configs = [json.loads(store.get(f"{prefix}/config/{r}")) for r in range(world)]
+    # Every rank has read every config before any leaves (rank 0 may host the store).
+    checked = [f"{prefix}/checked/{r}" for r in range(world)]
+    store.set(checked[rank], "1")
+    store.wait(checked)
+    difference = first_difference(configs)
+    if difference is not None:
+        raise LaunchError(difference, everywhere=True)
     store.set_timeout(timeout)
     dist.init_process_group(
         backend,

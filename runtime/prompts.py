@@ -17,17 +17,25 @@ session's first turn arrives; on a later turn "not before") and ``"think_s"`` (a
 >= 0: a later turn arrives this long after its session's previous answer). Times are
 honoured by ``runtime.serve``'s scheduler path (real-time replay). Blank lines are
 skipped. Requests are served in file order.
+
+The whole file is checked before any request is served (types, token ids in the
+vocabulary, booleans where numbers belong, lines of at most ``MAX_LINE_BYTES``, nesting);
+the first problem is a ``ValueError`` naming ``file:line``. The file is read one line at
+a time.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from mesh_hicache.config import TENANT_SEPARATOR
 from runtime.workloads import Turn, check_seconds
+
+MAX_LINE_BYTES = 32 << 20
+"""The longest line of a prompts file (about 4 million token ids)."""
 
 
 def load_tokenizer(path: Path | None) -> Any:
@@ -52,25 +60,15 @@ def load_prompts(
     turns: list[Turn] = []
     sessions: dict[str, int] = {}
     next_turn: dict[int, int] = {}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as err:
-        raise ValueError(f"--prompts {str(path)!r}: {err}") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    for number, item in _objects(path):
         where = f"--prompts {path}:{number}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not JSON ({err})") from None
-        if not isinstance(item, dict):
-            raise ValueError(f"{where}: expected an object, got {type(item).__name__}")
         unknown = set(item) - {"input_ids", "text", "session", "max_new_tokens", "tenant"}
         unknown -= {"stop_at_eos", "arrival_s", "think_s"}
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
         ids = _token_ids(item, where, vocab_size, tokenizer)
+        if "session" in item and isinstance(item["session"], dict | list):
+            raise ValueError(f"{where}: session must be a JSON scalar, got {item['session']!r}")
         if "session" in item:
             key = json.dumps(item["session"])
             session = sessions.setdefault(key, len(sessions))
@@ -78,7 +76,7 @@ def load_prompts(
             session = len(sessions)
             sessions[f"line:{number}"] = session
         max_new = item.get("max_new_tokens")
-        if max_new is not None and (not isinstance(max_new, int) or max_new < 1):
+        if max_new is not None and (not _is_int(max_new) or max_new < 1):
             raise ValueError(f"{where}: max_new_tokens must be an int >= 1, got {max_new!r}")
         tenant = item.get("tenant")
         if tenant is not None and (not isinstance(tenant, str) or TENANT_SEPARATOR in tenant):
@@ -123,6 +121,48 @@ def load_prompts(
     return turns
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` of every non-blank line, read one line at a time (the
+    file need not fit in memory; a line may hold at most ``MAX_LINE_BYTES``).
+    ``ValueError`` naming ``file:line`` for a line that is not a JSON object."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below, also on a generator exit
+    except OSError as err:
+        raise ValueError(f"--prompts {str(path)!r}: {err.strerror or err}") from None
+    with f:
+        number = 0
+        while True:
+            try:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+            except OSError as err:
+                raise ValueError(f"--prompts {path}: {err.strerror or err}") from None
+            if not raw:
+                return
+            number += 1
+            where = f"--prompts {path}:{number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{where}: the line is longer than {MAX_LINE_BYTES} bytes")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8 ({err.reason})") from None
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except RecursionError:
+                raise ValueError(f"{where}: nested too deeply") from None
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not JSON ({err})") from None
+            if not isinstance(item, dict):
+                raise ValueError(f"{where}: expected an object, got {type(item).__name__}")
+            yield number, item
+
+
 def _token_ids(item: dict, where: str, vocab_size: int, tokenizer: Any) -> list[int]:
     if ("input_ids" in item) == ("text" in item):
         raise ValueError(f"{where}: give exactly one of 'input_ids' and 'text'")
@@ -134,8 +174,11 @@ def _token_ids(item: dict, where: str, vocab_size: int, tokenizer: Any) -> list[
         ids = list(tokenizer.encode(item["text"]).ids)
     else:
         ids = item["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list):
             raise ValueError(f"{where}: 'input_ids' must be a list of ints")
+        wrong = next((i for i in ids if not _is_int(i)), None)
+        if wrong is not None or any(not _is_int(i) for i in ids):
+            raise ValueError(f"{where}: 'input_ids' must be a list of ints, not {wrong!r}")
     if not ids:
         raise ValueError(f"{where}: the request has no tokens")
     bad = [i for i in ids if not 0 <= i < vocab_size]

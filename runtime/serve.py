@@ -34,8 +34,12 @@ from runtime.launch import (
     LaunchError,
     exit_process,
     init_mesh,
+    interruptible,
     mesh_failure,
+    quiet_parser,
+    speaks,
 )
+from runtime.mesh_config import work_config
 from runtime.model import HybridModel
 from runtime.model.config import DTYPES
 from runtime.prompts import load_prompts, load_tokenizer
@@ -354,7 +358,7 @@ def _with_text(request: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = quiet_parser(build_parser()).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s")
     try:
         check_args(args)
@@ -362,9 +366,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Asked for by name: a backend that cannot start is an error, not a warning.
             check_storage_start(args.storage, args.storage_root, args.mooncake_master)
         owns_group = not dist.is_initialized()  # an embedding caller keeps its own group
-        topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
+        topology = init_mesh(
+            args.pp, args.cp, args.tp, args.collective_timeout_s, work_config(args)
+        )
     except (LaunchError, ValueError) as err:
-        print(f"runtime.serve: error: {err}", file=sys.stderr)
+        if speaks(err):
+            print(f"runtime.serve: error: {err}", file=sys.stderr)
         return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -391,4 +398,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(interruptible(main, "runtime.serve"))

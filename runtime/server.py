@@ -11,13 +11,18 @@ Endpoints, on ``--host`` (default 127.0.0.1) and ``--port`` (0: a free port, pri
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: the cache's
   ``mesh_hicache_*`` counters of rank 0 and the server's ``mesh_hicache_server_*``).
 
-Decoding is greedy (``temperature``, ``top_p`` and the like are accepted and ignored;
-``n`` must be 1); a request ends after ``max_tokens`` tokens (default
-``--max-new-tokens``) or at the checkpoint's end-of-sequence token
-(``finish_reason: "stop"``; the engine stops decoding there, on every rank). ``usage``
-reports ``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served.
-Text in and out needs the checkpoint's ``tokenizer.json``; chat uses its chat template
-(see ``runtime/server_text.py``, also for the presets, which take token ids).
+Decoding is greedy. A request ends after ``max_tokens`` tokens (default
+``--max-new-tokens``; ``finish_reason: "length"``), at the checkpoint's end-of-sequence
+token, at a ``stop_token_ids`` token or where its text contains a ``stop`` string (the
+text is cut before it; streamed text that could start one is held back until it cannot):
+``finish_reason: "stop"``; the engine stops decoding there, on every rank. A field this
+server does not implement (``logprobs``, ``tools``, ``temperature`` other than 0, ``n``
+other than 1...: ``runtime/server_params.py``) is a 400 naming it. ``usage`` reports
+``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served. Every
+choice carries the answer's ``token_ids``. Text in and out needs the checkpoint's
+``tokenizer.json``; chat uses its chat template (see ``runtime/server_text.py``, also
+for the presets, which take and return token ids). Access control, limits and the
+SIGTERM drain: ``runtime/server_guard.py`` and ``docs/server_security.md``.
 
 Concurrent requests are served in one running batch (``--concurrency N``, default 8):
 one engine thread (``runtime/server_batch.py``) takes jobs from the queue in arrival
@@ -35,13 +40,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch.distributed as dist
 from aiohttp import web
@@ -52,11 +55,35 @@ from mesh_hicache.topology import MeshTopology
 from runtime.budgets import apply_budgets, budget_line
 from runtime.checkpoints import choose_model
 from runtime.engine import Engine
-from runtime.launch import LaunchError, exit_process, init_mesh, mesh_failure
+from runtime.launch import (
+    LaunchError,
+    env_api_key,
+    exit_process,
+    init_mesh,
+    interruptible,
+    launch_rank,
+    mesh_failure,
+    quiet_parser,
+    speaks,
+)
+from runtime.mesh_config import work_config
 from runtime.scheduler import SchedulerConfig
-from runtime.server_api import Reply, RequestParams, error_response, prometheus_text, send_event
+from runtime.server_api import Reply, prometheus_text, send_event
 from runtime.server_batch import BatchWorker, follow_batched
-from runtime.server_text import StreamDecoder, TextCodec
+from runtime.server_flags import (
+    PortBusy,
+    bind_message,
+    build_parser,
+    check_port_free,
+    check_server_args,
+    context_length,
+    prompt_limits,
+    served_name,
+)
+from runtime.server_guard import BodyError, Guard, error_response, read_json
+from runtime.server_params import ParamError, RequestParams, StopSpec
+from runtime.server_stop import AnswerText, answer_of
+from runtime.server_text import TextCodec
 from runtime.server_worker import (
     EngineWorker,
     FifoQueue,
@@ -68,61 +95,6 @@ from runtime.server_worker import (
 from runtime.startup_checks import check_storage_start, label_rank_logs, storage_requested
 
 log = logging.getLogger("runtime.server")
-
-# serve.py's flags that pick a workload or write a report: meaningless for a server.
-_TRACE_ONLY = (
-    "prompts",
-    "workload",
-    "sessions",
-    "turns",
-    "first_prompt_len",
-    "append_len",
-    "json",
-    "dump_logits",
-    "log_every",
-    "quiet",
-    "request_rate",
-    "think_s",
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """``runtime.serve``'s model, mesh and cache flags plus the HTTP ones."""
-    p = serve.build_parser()
-    p.prog = "runtime.server"
-    p.description = __doc__.splitlines()[0]
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    for action in p._actions:
-        if action.dest in _TRACE_ONLY:
-            action.help = argparse.SUPPRESS
-        elif action.dest == "max_new_tokens":
-            action.help = "max_tokens of a request that does not set it"
-        elif action.dest == "concurrency":
-            action.default = 8
-            action.help = (
-                "most requests in flight, served in one running batch by runtime.scheduler "
-                "(continuous batching); 1: one request at a time (Engine.serve)"
-            )
-        elif action.dest == "token_budget":
-            action.help = "prefill tokens per scheduler step beside the batched decode"
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0: pick a free one)")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id of /v1/models and requests (default: the --model name)",
-    )
-    p.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=1024,
-        help="largest max_tokens a request may ask for",
-    )
-    return p
-
-
-def served_name(args: argparse.Namespace) -> str:
-    return args.served_model_name or Path(args.model).name or str(args.model)
 
 
 class Server:
@@ -148,6 +120,13 @@ class Server:
             config.vocab_size,
             checkpoint.eos_token_ids if checkpoint else (),
         )
+        self.vocab_size = config.vocab_size
+        self.limits = prompt_limits(args, context_length(checkpoint.path if checkpoint else None))
+        self.guard = Guard(args.host, args.api_key, args.allowed_host, args.max_body_bytes)
+        # Requests between their arrival and their answer; SIGTERM drains them.
+        self.in_flight = 0
+        self.jobs: set[Job] = set()
+        self.draining = False
         self.leader = topology.coords == (0, 0, 0)
         # A gloo group of the whole mesh for rank 0's broadcasts (None on one rank).
         self.group = (
@@ -171,11 +150,17 @@ class Server:
         heartbeat = min(5.0, self.args.collective_timeout_s / 4)
         if self.batching is not None:
             self.worker = BatchWorker(
-                self.engine, self.queue, self.group, heartbeat, self.counters, self.batching
+                self.engine,
+                self.queue,
+                self.group,
+                heartbeat,
+                self.counters,
+                self.batching,
+                self.stopper,
             )
         else:
             self.worker = EngineWorker(
-                self.engine, self.queue, self.group, heartbeat, self.counters
+                self.engine, self.queue, self.group, heartbeat, self.counters, self.stopper
             )
         self.worker.start()
 
@@ -187,18 +172,33 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         if self.batching is not None:
-            follow_batched(self.engine, self.group, self.batching)
+            follow_batched(self.engine, self.group, self.batching, self.stopper)
         else:
             follow(self.engine, self.group)
 
-    def close(self) -> None:
-        """Stop the engine thread after the queued jobs, flush and close the cache."""
+    def close(self) -> bool:
+        """Stop the engine thread after the queued jobs, flush the cache, check that it
+        holds nothing for a request (a leak is logged) and close it. False on a leak."""
         if self.worker is not None:
             self.queue.put(None)
             self.worker.join()
+        clean = True
         if self.cache is not None:
             self.cache.flush()
+            if self.worker is None or self.worker.failure is None:
+                try:
+                    self.cache.check_integrity()
+                except RuntimeError as err:
+                    clean = False
+                    log.error("runtime.server: cache integrity at shutdown: %s", err)
             self.cache.close()
+        return clean
+
+    def stopper(self, stop: StopSpec) -> Callable[[int], bool]:
+        """The engine-side end test of a request (every rank decodes alike)."""
+        if not stop.strings:
+            return stop.token_ids.__contains__
+        return AnswerText(self.codec, stop).ends
 
     @property
     def healthy(self) -> bool:
@@ -208,7 +208,9 @@ class Server:
 
     def app(self) -> web.Application:
         """The aiohttp application (rank 0)."""
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(
+            client_max_size=self.guard.max_body_bytes, middlewares=[self.guard.middleware]
+        )
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
@@ -238,39 +240,67 @@ class Server:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.draining:
+            return _shutting_down()
+        self.in_flight += 1
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object")
-        if body.get("model") not in (None, self.name):
-            message = f"the model {body.get('model')!r} does not exist; this one is {self.name!r}"
-            return error_response(404, message, "model_not_found")
+            return await self._answer(request, chat)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            params = RequestParams.parse(body, self.args.max_new_tokens, self.args.max_tokens_limit)
-            if chat:
-                prompt = self.codec.encode_chat(body.get("messages"))
-            else:
-                prompt = self.codec.encode_prompt(body.get("prompt"))
+            body = await read_json(request, self.guard.max_body_bytes)
+        except BodyError as err:
+            return err.response
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return error_response(400, f"'model' must be a string, got {model!r}", param="model")
+        if model not in (None, self.name):
+            message = f"the model {model!r} does not exist; this one is {self.name!r}"
+            return error_response(404, message, "model_not_found", "model")
+        try:
+            params = RequestParams.parse(
+                body, chat, self.args.max_new_tokens, self.args.max_tokens_limit, self.vocab_size
+            )
+            if params.stop_strings and not self.codec.has_text:
+                raise ParamError(
+                    "stop",
+                    "'stop' strings need a checkpoint with tokenizer.json; this model "
+                    "takes 'stop_token_ids'",
+                )
+            encode = self.codec.encode_chat if chat else self.codec.encode_prompt
+            prompt = await asyncio.to_thread(encode, body.get("messages" if chat else "prompt"))
+            self.limits.check(len(prompt), params.max_tokens)
+        except ParamError as err:
+            return error_response(400, str(err), param=err.param)
         except ValueError as err:
-            return error_response(400, str(err))
+            return error_response(400, str(err), param="messages" if chat else "prompt")
         if not self.healthy:
             return error_response(503, "the engine has stopped", "server_error")
-        stops = () if params.ignore_eos else self.codec.eos_token_ids
-        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), stops)
-        self.queue.put(job)
-        reply = Reply(self, chat, len(prompt))
-        if params.stream:
-            return await self._stream(request, job, reply, params.include_usage, stops)
+        stop = params.stop_spec(self.codec.eos_token_ids)
+        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), stop)
+        self.jobs.add(job)
         try:
-            outcome, output = await collect(job, stops)
-        except asyncio.CancelledError:  # the client went away
-            job.cancel()
-            raise
-        except RuntimeError as err:
-            return error_response(400, str(err))
-        return web.json_response(reply.whole(output, outcome))
+            self.queue.put(job)
+            reply = Reply(self, chat, len(prompt))
+            if params.stream:
+                return await self._stream(request, job, reply, params.include_usage)
+            try:
+                outcome = await collect(job)
+            except asyncio.CancelledError:  # the client went away
+                job.cancel()
+                raise
+            except RuntimeError as err:
+                if self.draining:
+                    return _shutting_down()
+                return error_response(400, str(err))
+            if outcome.aborted:
+                return _shutting_down()
+            answer = answer_of(self.codec, stop, outcome.output_ids)
+            return web.json_response(reply.whole(answer, outcome))
+        finally:
+            self.jobs.discard(job)
 
     async def _stream(
         self,
@@ -278,7 +308,6 @@ class Server:
         job: Job,
         reply: Reply,
         include_usage: bool,
-        stops: tuple[int, ...],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -288,28 +317,32 @@ class Server:
             await response.prepare(request)
             if reply.chat:
                 await send_event(response, reply.chunk({"role": "assistant", "content": ""}))
-            decoder = StreamDecoder(self.codec)
-            output: list[int] = []
-            stopped = False
+            answer = AnswerText(self.codec, job.stop)
             while True:
                 kind, value = await job.events.get()
                 if kind == "token":
-                    if stopped or value in stops:
-                        stopped = True
+                    if answer.stopped:
                         continue
-                    output.append(value)
-                    delta = decoder.push(value)
-                    await send_event(response, reply.delta(delta, [value]))
-                elif kind == "done":
-                    finish = "stop" if stopped else "length"
-                    await send_event(response, reply.finish(finish))
+                    before = len(answer.ids)
+                    delta = answer.push(value)
+                    ids = answer.ids[before:]
+                    if delta or ids:
+                        await send_event(response, reply.delta(delta, ids))
+                elif kind == "done" and not value.aborted:
+                    rest = answer.finish()
+                    if rest:
+                        await send_event(response, reply.delta(rest, []))
+                    await send_event(response, reply.finish(answer.finish_reason))
                     if include_usage:
-                        await send_event(response, reply.usage_chunk(output, value))
+                        await send_event(response, reply.usage_chunk(answer.ids, value))
                     await response.write(b"data: [DONE]\n\n")
                     finished = True
                     break
                 else:
-                    await send_event(response, {"error": {"message": str(value)}})
+                    message = "the server shut down before the answer was complete"
+                    if kind == "error" and not self.draining:
+                        message = str(value)
+                    await send_event(response, {"error": {"message": message}})
                     finished = True
                     break
         finally:
@@ -318,27 +351,55 @@ class Server:
         await response.write_eof()
         return response
 
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new requests; let the ones in flight finish for up to ``drain_s``
+        seconds, then abort the rest (their clients get an error) and wait for them."""
+        self.draining = True
+        deadline = time.monotonic() + drain_s
+        while self.in_flight and time.monotonic() < deadline and self.healthy:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            log.warning(
+                "runtime.server: --drain-s %.1f elapsed: aborting %d request(s)",
+                drain_s,
+                self.in_flight,
+            )
+        for job in list(self.jobs):
+            job.cancel()
+        # Aborts land at the next step; a stopped engine answers nothing more.
+        while self.in_flight and self.healthy:
+            await asyncio.sleep(0.05)
 
-async def collect(job: Job, stops: tuple[int, ...]) -> tuple[JobOutcome, list[int]]:
-    """Await a job's end: its outcome and its output up to (not including) the first of
-    ``stops`` (the end of sequence). ``RuntimeError`` with the engine's message if it
-    failed."""
+
+def _shutting_down() -> web.Response:
+    return error_response(503, "the server is shutting down", "server_shutting_down")
+
+
+async def collect(job: Job) -> JobOutcome:
+    """Await a job's end: its outcome (the engine's output, ending token included).
+    ``RuntimeError`` with the engine's message if it failed."""
     while True:
         kind, value = await job.events.get()
         if kind == "done":
-            ids = list(value.output_ids)
-            cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-            return value, ids[:cut]
+            return value
         if kind == "error":
             raise RuntimeError(str(value))
 
 
 async def run_http(server: Server, stop: asyncio.Event, on_ready: Callable[[int], None]) -> None:
-    """Serve HTTP until ``stop`` is set or the engine thread ends (rank 0)."""
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    """Serve HTTP until ``stop`` is set or the engine thread ends (rank 0); then stop
+    listening and drain the requests in flight (``--drain-s``). ``PortBusy`` if the
+    port cannot be bound."""
+    runner = web.AppRunner(
+        server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+    )
     await runner.setup()
     site = web.TCPSite(runner, server.args.host, server.args.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as err:
+        await runner.cleanup()
+        raise PortBusy(bind_message(server.args.host, server.args.port, err)) from None
     sockets = getattr(site._server, "sockets", None) or []
     port = sockets[0].getsockname()[1] if sockets else server.args.port
     on_ready(port)
@@ -348,29 +409,32 @@ async def run_http(server: Server, stop: asyncio.Event, on_ready: Callable[[int]
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
+        await site.stop()  # no new connections
+        await server.drain(server.args.drain_s)
     finally:
         await runner.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = quiet_parser(build_parser()).parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(message)s")
+    if args.api_key is None:
+        args.api_key = env_api_key()
     try:
         serve.check_args(args)
         if args.cache == "full" and storage_requested(argv):
             check_storage_start(args.storage, args.storage_root, args.mooncake_master)
-        if not 0 <= args.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-        if args.max_tokens_limit < args.max_new_tokens:
-            raise ValueError(
-                f"--max-tokens-limit {args.max_tokens_limit} is below --max-new-tokens "
-                f"{args.max_new_tokens}"
-            )
+        check_server_args(args)
+        if launch_rank() == 0:
+            check_port_free(args.host, args.port)
         owns_group = not dist.is_initialized()
-        topology = init_mesh(args.pp, args.cp, args.tp, args.collective_timeout_s)
-    except (LaunchError, ValueError) as err:
-        print(f"runtime.server: error: {err}", file=sys.stderr)
+        topology = init_mesh(
+            args.pp, args.cp, args.tp, args.collective_timeout_s, work_config(args)
+        )
+    except (LaunchError, ValueError, PortBusy) as err:
+        if speaks(err):
+            print(f"runtime.server: error: {err}", file=sys.stderr)
         return 2
     label_rank_logs(topology)
     try:
@@ -380,7 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             server.follow()
             code = 0
-        server.close()
+        if not server.close() and code == 0:
+            code = 3
     except Exception as err:
         cause = mesh_failure(err)
         if cause is None:
@@ -397,6 +462,7 @@ def _lead(server: Server) -> int:
         line = budget_line(server.cache, server.args.page_size, server.budgets)
         print(f"runtime.server: {line}", flush=True)
     server.start_worker()
+    busy: list[str] = []
 
     async def main_loop() -> None:
         stop = asyncio.Event()
@@ -408,9 +474,15 @@ def _lead(server: Server) -> int:
             url = f"http://{server.args.host}:{port}/v1"
             print(f"runtime.server: serving {server.name!r} on {url}", flush=True)
 
-        await run_http(server, stop, ready)
+        try:
+            await run_http(server, stop, ready)
+        except PortBusy as err:
+            busy.append(str(err))
 
     asyncio.run(main_loop())
+    if busy:
+        print(f"runtime.server: error: {busy[0]}", file=sys.stderr, flush=True)
+        return 2
     worker = server.worker
     failed = worker is not None and worker.failure is not None
     counts = server.counters.as_dict()
@@ -424,4 +496,4 @@ def _lead(server: Server) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(interruptible(main, "runtime.server"))

@@ -1,5 +1,9 @@
-"""The OpenAI-shaped parts of ``runtime.server``: a request body's generation parameters,
-the response bodies (whole and streamed), error bodies, and the ``/metrics`` text."""
+"""The OpenAI-shaped parts of ``runtime.server``: the response bodies (whole and
+streamed) and the ``/metrics`` text. (Request fields: ``runtime.server_params``; error
+bodies: ``runtime.server_guard``.)
+
+Every choice carries ``token_ids``, the answer's token ids (for a model without a
+tokenizer, the answer itself: its ``text`` is "")."""
 
 from __future__ import annotations
 
@@ -11,46 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from runtime.server_guard import error_response
+from runtime.server_stop import AnswerText
 from runtime.server_worker import JobOutcome
+
+__all__ = ["Reply", "error_response", "prometheus_text", "send_event"]
 
 if TYPE_CHECKING:
     from runtime.server import Server
-
-
-class RequestParams:
-    """The generation parameters of a request body (``ValueError`` naming a bad one)."""
-
-    def __init__(
-        self, max_tokens: int, stream: bool, include_usage: bool, ignore_eos: bool = False
-    ) -> None:
-        self.max_tokens = max_tokens
-        self.stream = stream
-        self.include_usage = include_usage
-        self.ignore_eos = ignore_eos
-        """Generate ``max_tokens`` whatever the tokens (vLLM's extension)."""
-
-    @classmethod
-    def parse(cls, body: dict[str, Any], default: int, limit: int) -> RequestParams:
-        n = body.get("n", 1)
-        if n not in (None, 1):
-            raise ValueError(f"'n' must be 1 (greedy decoding), got {n!r}")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is None:
-            max_tokens = default
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-            raise ValueError(f"'max_tokens' must be an integer, got {max_tokens!r}")
-        if not 1 <= max_tokens <= limit:
-            raise ValueError(f"'max_tokens' must be in [1, {limit}], got {max_tokens}")
-        stream = body.get("stream") or False
-        if not isinstance(stream, bool):
-            raise ValueError(f"'stream' must be a boolean, got {stream!r}")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ValueError("'stream_options' must be an object")
-        ignore_eos = body.get("ignore_eos") or False
-        if not isinstance(ignore_eos, bool):
-            raise ValueError(f"'ignore_eos' must be a boolean, got {ignore_eos!r}")
-        return cls(max_tokens, stream, bool(options.get("include_usage")), ignore_eos)
 
 
 class Reply:
@@ -76,9 +48,10 @@ class Reply:
             "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
         }
 
-    def whole(self, output: list[int], outcome: JobOutcome) -> dict[str, Any]:
-        text = self.server.codec.decode(output)
-        finish = "stop" if len(output) < len(outcome.output_ids) else "length"
+    def whole(self, answer: AnswerText, outcome: JobOutcome) -> dict[str, Any]:
+        text = answer.text
+        output = answer.ids
+        finish = answer.finish_reason
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": output}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -111,12 +84,6 @@ class Reply:
 
 async def send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-
-def error_response(status: int, message: str, code: str | None = None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.json_response(body, status=status)
 
 
 def prometheus_text(server: Server) -> bytes:

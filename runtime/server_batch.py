@@ -16,17 +16,19 @@ So each rank runs the identical sequence of steps, and the collectives (the flag
 iteration, the message when the flag says so) are the same on every rank. While nothing
 is in flight rank 0 waits for a job at most ``heartbeat_s`` before it sends the flag
 anyway: the heartbeat that keeps the other ranks' collective within
-``--collective-timeout-s``. A request ends at ``max_tokens`` or at the end-of-sequence
-token, decided by every rank from its own greedy token (equal on every rank, as for a
-trace's ``stop_token``); rank 0's hook also streams each token to the job. An aborted
-job is released at once and the cache's ``check_integrity()`` runs as soon as no other
-request has a transfer in flight (a prefetch or load holds host reservations).
+``--collective-timeout-s``. A request ends at ``max_tokens`` or where its ``StopSpec`` says,
+decided by every rank from its own greedy token (equal on every rank, as for a
+trace's ``stop_token``; stop strings are decoded on every rank alike); rank 0's hook
+also streams each token to the job. An aborted job is released at once and the cache's
+``check_integrity()`` runs as soon as no other request has a transfer in flight (a
+prefetch or load holds host reservations).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -34,12 +36,15 @@ import torch.distributed as dist
 from runtime.engine import Engine
 from runtime.request_run import RequestResult, RequestRun, TokenHook
 from runtime.scheduler import OnlineRequest, Scheduler, SchedulerConfig
+from runtime.server_params import StopSpec
 from runtime.server_worker import (
     Job,
     JobOutcome,
     RequestQueue,
     ServerCounters,
+    Stopper,
     _Control,
+    stop_at_ids,
     warn_if_too_long_for_l1,
 )
 
@@ -48,8 +53,8 @@ log = logging.getLogger("runtime.server")
 # Rank 0's flag of one iteration.
 _QUIET, _NEWS, _STOP = 0, 1, 2
 
-NewJob = tuple[int, list[int], int, tuple[int, ...]]
-"""What the other ranks learn of a joining job: (key, prompt, max_new_tokens, stop ids)."""
+NewJob = tuple[int, list[int], int, StopSpec]
+"""What the other ranks learn of a joining job: (key, prompt, max_new_tokens, stop)."""
 
 
 class BatchRun:
@@ -59,7 +64,14 @@ class BatchRun:
     same order on every rank. ``jobs`` (rank 0) are the in-flight jobs by key, which get
     the tokens and the outcome; on the other ranks it stays empty."""
 
-    def __init__(self, engine: Engine, config: SchedulerConfig, counters: ServerCounters) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: SchedulerConfig,
+        counters: ServerCounters,
+        stopper: Stopper = stop_at_ids,
+    ) -> None:
+        self.stopper = stopper
         self.scheduler = Scheduler(
             engine.model, engine.cache, config, max_new_tokens=engine.max_new_tokens
         )
@@ -85,17 +97,17 @@ class BatchRun:
             if job is not None:
                 job.emit("done", JobOutcome([], 0, True, None))
             self._check_pending = self.cache is not None
-        for key, prompt, max_new, stops in new:
-            self._submit(key, prompt, max_new, stops)
+        for key, prompt, max_new, stop in new:
+            self._submit(key, prompt, max_new, stop)
         self._count()
 
-    def _submit(self, key: int, prompt: list[int], max_new: int, stops: tuple[int, ...]) -> None:
+    def _submit(self, key: int, prompt: list[int], max_new: int, stop: StopSpec) -> None:
         job = self.jobs.get(key)
         engine = self.scheduler.engine
         try:
             # The same hook on every rank (only rank 0 has a job to stream to): checkpoint
             # placement depends on whether a request has one.
-            run = RequestRun(engine, prompt, "", None, max_new, self._hook(job, stops))
+            run = RequestRun(engine, prompt, "", None, max_new, self._hook(job, self.stopper(stop)))
         except ValueError as err:  # the same on every rank (replicated checks)
             self.jobs.pop(key, None)
             with self.counters.lock:
@@ -108,11 +120,11 @@ class BatchRun:
         self.scheduler.submit(OnlineRequest(key, run, lambda result: self._finished(key, result)))
 
     @staticmethod
-    def _hook(job: Job | None, stops: tuple[int, ...]) -> TokenHook:
+    def _hook(job: Job | None, ends: Callable[[int], bool]) -> TokenHook:
         def on_token(token: int) -> bool:
             if job is not None:
                 job.emit("token", token)
-            return token in stops
+            return ends(token)
 
         return on_token
 
@@ -161,13 +173,14 @@ class BatchWorker(threading.Thread):
         heartbeat_s: float,
         counters: ServerCounters,
         config: SchedulerConfig,
+        stopper: Stopper = stop_at_ids,
     ) -> None:
         super().__init__(name="runtime.server engine", daemon=True)
         self.queue = queue
         self.heartbeat_s = heartbeat_s
         self.config = config
         self.control = _Control(group)
-        self.batch = BatchRun(engine, config, counters)
+        self.batch = BatchRun(engine, config, counters, stopper)
         self.failure: BaseException | None = None
         self._next_key = 0
         self._stopping = False
@@ -215,15 +228,20 @@ class BatchWorker(threading.Thread):
                 key = self._next_key
                 self._next_key += 1
                 self.jobs[key] = item
-                new.append((key, item.prompt, item.max_new_tokens, item.stop_ids))
+                new.append((key, item.prompt, item.max_new_tokens, item.stop))
         return new
 
 
-def follow_batched(engine: Engine, group: dist.ProcessGroup, config: SchedulerConfig) -> None:
+def follow_batched(
+    engine: Engine,
+    group: dist.ProcessGroup,
+    config: SchedulerConfig,
+    stopper: Stopper = stop_at_ids,
+) -> None:
     """The loop of every rank but 0 with ``--concurrency N > 1``: apply rank 0's news
     and step, until it says stop."""
     control = _Control(group)
-    batch = BatchRun(engine, config, ServerCounters())
+    batch = BatchRun(engine, config, ServerCounters(), stopper)
     while True:
         flag = control.agree(_QUIET)
         if flag == _STOP:

@@ -1,4 +1,5 @@
-"""Text in, text out for ``runtime.server``: prompts, chat templates, streamed decoding.
+"""Text in, text out for ``runtime.server``: prompts, chat templates, decoding (streamed
+with stop strings: ``runtime.server_stop``).
 
 A checkpoint with ``tokenizer.json`` takes and returns text (the ``tokenizers``
 package, loaded the way ``runtime.prompts`` loads it). Chat requests are rendered with
@@ -13,8 +14,9 @@ fallback::
 
 The presets (``tiny``, ``small``) have no tokenizer: ``/v1/completions`` then takes the
 prompt as a list of token ids (the OpenAI API's ``prompt: [int, ...]`` form) and every
-response carries the generated ids in ``choices[i].token_ids`` (its ``text`` is the ids
-as decimal numbers separated by spaces); chat needs a tokenizer.
+response carries the generated ids in ``choices[i].token_ids``, the answer of a model
+without text (its ``text`` is ""); ``stop`` strings need a tokenizer (token ids:
+``stop_token_ids``); chat needs a tokenizer.
 """
 
 from __future__ import annotations
@@ -130,9 +132,10 @@ class TextCodec:
         return self._checked(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` (special tokens skipped); without a tokenizer the ids as text."""
+        """Text of ``ids`` (special tokens skipped); without a tokenizer "" (the ids are
+        the answer: ``choices[i].token_ids``)."""
         if self.tokenizer is None:
-            return " ".join(str(i) for i in ids)
+            return ""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def _checked(self, ids: Sequence[int]) -> list[int]:
@@ -143,27 +146,6 @@ class TextCodec:
         if bad:
             raise ValueError(f"token ids {bad[:5]} not in range({self.vocab_size})")
         return ids
-
-
-class StreamDecoder:
-    """Incremental text of a growing id list: ``push`` returns the new text only.
-
-    Decodes the whole list each time and holds back a trailing replacement character
-    (a multi-byte character split across tokens) until it completes."""
-
-    def __init__(self, codec: TextCodec) -> None:
-        self._codec = codec
-        self._ids: list[int] = []
-        self._sent = 0
-
-    def push(self, token: int) -> str:
-        self._ids.append(token)
-        text = self._codec.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[self._sent :]
-        self._sent = len(text)
-        return delta
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:

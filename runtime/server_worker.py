@@ -35,11 +35,23 @@ import torch.distributed as dist
 
 from runtime.engine import Engine
 from runtime.request_run import RequestResult, TokenHook
+from runtime.server_params import StopSpec
 from runtime.startup_checks import pages_needed, too_long_for_l1
 
 log = logging.getLogger("runtime.server")
 
 _SERVE, _IDLE, _STOP = "serve", "idle", "stop"
+
+Stopper = Callable[[StopSpec], Callable[[int], bool]]
+"""Makes a request's engine-side end test from its ``StopSpec``: called once per request,
+the result once per generated token (True: the answer ends with this token)."""
+
+
+def stop_at_ids(stop: StopSpec) -> Callable[[int], bool]:
+    """The end test of a model without text: the request's stop token ids only."""
+    return stop.token_ids.__contains__
+
+
 # The per-token decision rank 0 broadcasts.
 _GO, _END, _ABORT = 0, 1, 2
 
@@ -55,15 +67,15 @@ class Job:
 
     ``events`` receives, on ``loop``, ``("token", id)`` per generated token, then
     ``("done", JobOutcome)`` or ``("error", message)``. Generation ends after
-    ``max_new_tokens`` or at any of ``stop_ids`` (the end-of-sequence ids; included in the
-    output; empty: never, e.g. a request with ``ignore_eos``).
+    ``max_new_tokens`` or where ``stop`` says (the ending token is included in the
+    output; the engine side's :data:`Stopper` decides).
     ``cancel()`` may be called from any thread; a cancelled job still queued is dropped,
     a running one is aborted after the next token (batched: at the next step)."""
 
     prompt: list[int]
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
-    stop_ids: tuple[int, ...] = ()
+    stop: StopSpec = field(default_factory=StopSpec)
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_s: float = field(default_factory=time.perf_counter)
@@ -158,17 +170,18 @@ class _Control:
 def token_hook(
     control: _Control,
     emit: Callable[[int], None] | None = None,
-    stop_ids: tuple[int, ...] = (),
+    ends: Callable[[int], bool] | None = None,
     cancelled: Callable[[], bool] = lambda: False,
 ) -> TokenHook:
     """The engine's per-token hook for one request: streams the token (``emit``), then
-    agrees with the other ranks whether to go on, end (the token is one of ``stop_ids``)
-    or abort (``cancelled()``; raises :class:`Aborted`). Only rank 0's view counts."""
+    agrees with the other ranks whether to go on, end (``ends(token)``) or abort
+    (``cancelled()``; raises :class:`Aborted`). Only rank 0's view counts."""
 
     def on_token(token: int) -> bool:
         if emit is not None:
             emit(token)
-        decision = _ABORT if cancelled() else _END if token in stop_ids else _GO
+        end = ends is not None and ends(token)
+        decision = _ABORT if cancelled() else _END if end else _GO
         decision = control.agree(decision)
         if decision == _ABORT:
             raise Aborted
@@ -209,9 +222,11 @@ class EngineWorker(threading.Thread):
         group: dist.ProcessGroup | None,
         heartbeat_s: float,
         counters: ServerCounters,
+        stopper: Stopper = stop_at_ids,
     ) -> None:
         super().__init__(name="runtime.server engine", daemon=True)
         self.engine = engine
+        self.stopper = stopper
         self.queue = queue
         self.heartbeat_s = heartbeat_s
         self.counters = counters
@@ -236,9 +251,8 @@ class EngineWorker(threading.Thread):
             log.exception("runtime.server: the engine thread failed")
 
     def _serve(self, job: Job) -> None:
-        hook = token_hook(
-            self.control, lambda t: job.emit("token", t), job.stop_ids, job.cancelled.is_set
-        )
+        emit = lambda t: job.emit("token", t)  # noqa: E731
+        hook = token_hook(self.control, emit, self.stopper(job.stop), job.cancelled.is_set)
         with self.counters.lock:
             self.counters.running += 1
             self.counters.peak_running = max(self.counters.peak_running, 1)

@@ -21,7 +21,7 @@ from runtime.checkpoints.base import TensorRef, hf_value, unsupported
 from runtime.checkpoints.common import paired_ref
 from runtime.checkpoints.gpt_oss import window_layers
 from runtime.model.config import ModelConfig
-from runtime.model.windowed import default_inv_freq
+from runtime.model.layers import default_inv_freq
 
 ARCH = "Gemma3ForCausalLM"
 

@@ -47,23 +47,27 @@ def rope(
     theta: float,
     dim: int | None = None,
     inv_freq: Tensor | None = None,
+    cos_scale: float = 1.0,
 ) -> Tensor:
     """Rotary embedding (rotate-half) of the first ``dim`` channels (default all) of
     ``x`` ``[T, heads, E]`` at absolute ``positions`` [T]; the other channels pass.
-    ``inv_freq`` ``[dim / 2]``: the frequencies (default ``theta ** (-2i / dim)``)."""
+    ``inv_freq`` ``[dim / 2]``: the frequencies (default ``theta ** (-2i / dim)``);
+    ``cos_scale`` multiplies cos and sin (YaRN's attention factor)."""
     dim = x.shape[-1] if dim is None else dim
     if dim == 0:
         return x
     half = dim // 2
-    if inv_freq is not None:
-        freqs = inv_freq
-    else:
-        exps = torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim
-        freqs = 1.0 / theta**exps
+    freqs = inv_freq if inv_freq is not None else default_inv_freq(theta, dim).to(x.device)
     angles = positions.to(torch.float32)[:, None] * freqs[None, :]
-    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    cos = (angles.cos() * cos_scale)[:, None, :].to(x.dtype)
+    sin = (angles.sin() * cos_scale)[:, None, :].to(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:dim], x[..., dim:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def default_inv_freq(theta: float, dim: int) -> Tensor:
+    """Plain RoPE frequencies ``theta ** (-2i / dim)`` of ``dim / 2`` pairs (float32)."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
 
 
 class RMSNorm:
@@ -195,9 +199,10 @@ class Attention:
             self.bqkv = torch.cat([bq, bk, bv]).to(dtype)
         self.q_norm: Tensor | None = None
         self.k_norm: Tensor | None = None
-        if c.qk_norm:
-            self.q_norm = weights.get(f"{prefix}.q_norm").to(dtype)
-            self.k_norm = weights.get(f"{prefix}.k_norm").to(dtype)
+        if c.qk_norm:  # (1 + w) norms (Gemma) store w: norm_offset 1
+            offset = c.norm_offset
+            self.q_norm = (weights.get(f"{prefix}.q_norm").float() + offset).to(dtype)
+            self.k_norm = (weights.get(f"{prefix}.k_norm").float() + offset).to(dtype)
 
     def _set_heads(
         self, config: ModelConfig, layer_id: int, tp: AxisComm, cp_kv: str, page_size: int
@@ -213,8 +218,10 @@ class Attention:
         self.scale = c.attn_scale or e**-0.5
         self.eps = c.norm_eps
         self.inv_freq: Tensor | None = None
+        self.cos_scale = 1.0
         if c.rope_inv_freq and c.attn_kind != "mla":
             self.inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
+            self.cos_scale = c.rope_cos_scale
         self.cp_kv = cp_kv
         self.page_size = page_size
         self.rows = AttentionRows(page_size, cp_kv)
@@ -239,8 +246,8 @@ class Attention:
         if self.q_norm is not None and self.k_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
-        q = rope(q, positions, self.theta, self.rope_dim, self.inv_freq)
-        k = rope(k, positions, self.theta, self.rope_dim, self.inv_freq)
+        q = rope(q, positions, self.theta, self.rope_dim, self.inv_freq, self.cos_scale)
+        k = rope(k, positions, self.theta, self.rope_dim, self.inv_freq, self.cos_scale)
         return q, k, v
 
     def _project(self, out: Tensor, dtype: torch.dtype, tp: AxisComm) -> Tensor:

@@ -21,31 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mesh_hicache.layout import tp_split
 from runtime.model.config import ModelConfig
-from runtime.model.layers import Attention, rms_norm
+from runtime.model.layers import Attention, default_inv_freq
 from runtime.model.parallel import AxisComm, kv_shard_positions
 from runtime.model.state import SeqState
 from runtime.model.weights import WeightSource
-
-
-def rope_freqs(x: Tensor, positions: Tensor, inv_freq: Tensor, cos_scale: float) -> Tensor:
-    """Rotate-half RoPE of the first ``2 * len(inv_freq)`` channels of ``x`` ``[T, heads, E]``
-    at ``positions`` [T], cos and sin multiplied by ``cos_scale``; other channels pass."""
-    dim = 2 * inv_freq.shape[0]
-    if dim == 0:
-        return x
-    half = dim // 2
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos = (angles.cos() * cos_scale)[:, None, :].to(x.dtype)
-    sin = (angles.sin() * cos_scale)[:, None, :].to(x.dtype)
-    x1, x2, rest = x[..., :half], x[..., half:dim], x[..., dim:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
-
-
-def default_inv_freq(theta: float, dim: int) -> Tensor:
-    """Plain RoPE frequencies ``theta ** (-2i / dim)`` of ``dim / 2`` pairs (float32)."""
-    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-
 
 QUERY_BLOCK = 128
 """Queries per block of a prefill's attention: scores of one block are ``H x 128 x keys``
@@ -113,59 +94,26 @@ class WindowedAttention(Attention):
         page_size: int,
     ) -> None:
         super().__init__(config, prefix, layer_id, weights, tp, cp_kv=cp_kv, page_size=page_size)
-        c, e = config, config.head_dim
-        q0, q1, k0, k1 = self._set_heads(c, layer_id, tp, cp_kv, page_size)
+        c = config
         self.window = c.window(layer_id)
-        self.bias: Tensor | None = None
         self.o_bias: Tensor | None = None
         if c.attn_bias:
-            qkv = [
-                weights.get(f"{prefix}.q_bias", rows=((q0 * e, q1 * e),)),
-                weights.get(f"{prefix}.k_bias", rows=((k0 * e, k1 * e),)),
-                weights.get(f"{prefix}.v_bias", rows=((k0 * e, k1 * e),)),
-            ]
-            self.bias = torch.cat(qkv).to(c.dtype)
             o_bias = weights.get(f"{prefix}.o_bias").to(c.dtype)
             # Added by tp rank 0 only: the reduced sum holds it once.
             self.o_bias = o_bias if tp.rank == 0 else torch.zeros_like(o_bias)
         self.sinks: Tensor | None = None
         if c.attn_sinks:
+            q0, q1 = tp_split(c.num_heads, tp.size, tp.rank)
             self.sinks = weights.get(f"{prefix}.sinks", rows=((q0, q1),)).float()
-        self.q_norm: Tensor | None = None
-        self.k_norm: Tensor | None = None
-        self.eps = c.norm_eps
-        if c.qk_norm:
-            offset = c.norm_offset
-            self.q_norm = (weights.get(f"{prefix}.q_norm").float() + offset).to(c.dtype)
-            self.k_norm = (weights.get(f"{prefix}.k_norm").float() + offset).to(c.dtype)
-        if self.window and c.local_rope_theta:
+        if self.window and c.local_rope_theta:  # the windowed layers' own plain RoPE
             self.inv_freq, self.cos_scale = default_inv_freq(c.local_rope_theta, c.rope_dim), 1.0
-        elif c.rope_inv_freq:
-            self.inv_freq = torch.tensor(c.rope_inv_freq, dtype=torch.float32)
-            self.cos_scale = c.rope_cos_scale
-        else:
-            self.inv_freq, self.cos_scale = default_inv_freq(c.rope_theta, c.rope_dim), 1.0
 
     def to(self, device: torch.device) -> None:
         super().to(device)
-        for name in ("bias", "o_bias", "sinks", "q_norm", "k_norm", "inv_freq"):
+        for name in ("o_bias", "sinks"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
-
-    def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        t, e = x.shape[0], self.head_dim
-        hq, hk = self.num_heads * e, self.num_kv_heads * e
-        q, k, v = F.linear(x, self.wqkv, self.bias).split([hq, hk, hk], dim=-1)
-        q = q.reshape(t, self.num_heads, e)
-        k = k.reshape(t, self.num_kv_heads, e)
-        v = v.reshape(t, self.num_kv_heads, e)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q = rope_freqs(q, positions, self.inv_freq, self.cos_scale)
-        k = rope_freqs(k, positions, self.inv_freq, self.cos_scale)
-        return q, k, v
 
     def _project(self, out: Tensor, dtype: torch.dtype, tp: AxisComm) -> Tensor:
         return tp.all_reduce(F.linear(out.flatten(1).to(dtype), self.wo, self.o_bias))

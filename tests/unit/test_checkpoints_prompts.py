@@ -92,3 +92,58 @@ def test_serve_rejects_a_bad_model_flag(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "runtime.serve", "--model", str(tmp_path / "nope")]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "neither a preset" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"input_ids": [1, True]}, "list of ints, not True"),
+        ({"input_ids": [1], "max_new_tokens": True}, "max_new_tokens must be an int"),
+        ({"input_ids": [1], "session": {"a": 1}}, "session must be a JSON scalar"),
+        ({"input_ids": [1], "arrival_s": True}, "arrival_s must be a number"),
+        ('{"input_ids": ' + "[" * 50_000 + "]" * 50_000 + "}", "nested too deeply"),
+    ],
+)
+def test_bools_and_deep_nesting_name_the_line(tmp_path: Path, line: object, message: str) -> None:
+    path = _write(tmp_path, [{"input_ids": [1]}, line])
+    with pytest.raises(ValueError, match=message) as err:
+        load_prompts(path, 16, None)
+    assert f"{path}:2:" in str(err.value)
+
+
+def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path: Path, monkeypatch) -> None:
+    import runtime.prompts as prompts
+
+    monkeypatch.setattr(prompts, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input_ids": [1]}\n{"input_ids": [' + "1, " * 2000 + "1]}\n")
+    reads: list[int] = []
+    real_open = open
+
+    class Counting:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def readline(self, limit: int = -1) -> bytes:
+            reads.append(limit)
+            return self.f.readline(limit)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.f.close()
+
+    monkeypatch.setattr(
+        prompts, "open", lambda p, mode="r": Counting(real_open(p, mode)), raising=False
+    )
+    with pytest.raises(ValueError, match=f"{path}:2: the line is longer than 1000 bytes"):
+        load_prompts(path, 16, None)
+    assert reads and all(0 < limit <= 1001 for limit in reads)
+
+
+def test_invalid_utf8_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"input_ids": [1]}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=f"{path}:2: not UTF-8"):
+        load_prompts(path, 16, None)

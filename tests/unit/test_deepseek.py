@@ -266,5 +266,5 @@ def test_mla_config_is_validated(directory: Path) -> None:
         dataclasses.replace(c, rope_inv_freq=(1.0, 0.5, 0.25))
     with pytest.raises(ValueError, match="q_lora_rank must be a positive int"):
         ModelConfig(attn_kind="mla", layer_pattern="AA", head_dim=8)
-    with pytest.raises(ValueError, match="MLA-only"):
+    with pytest.raises(ValueError, match="rope_cos_scale is for MLA and windowed"):
         ModelConfig(rope_cos_scale=2.0)

@@ -105,3 +105,15 @@ def test_request_rate_conflicts_with_times_in_the_prompts_file(no_work, capsys, 
     assert "--request-rate: the --prompts file already gives arrival_s" in err
     prompts.write_text('{"input_ids": [1, 2], "arrival_s": -3}\n')
     assert "p.jsonl:1: arrival_s must be a finite" in _error(capsys, "--prompts", str(prompts))
+
+
+def test_a_bad_prompts_line_stops_serve_before_any_work(no_work, capsys, tmp_path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2]}\n{"input_ids": [3, false]}\n')
+    assert "p.jsonl:2: 'input_ids' must be a list of ints, not False" in _error(
+        capsys, "--prompts", str(prompts)
+    )
+    prompts.write_text('{"input_ids": [1, 2], "max_new_tokens": true}\n')
+    assert "p.jsonl:1: max_new_tokens must be an int >= 1, got True" in _error(
+        capsys, "--prompts", str(prompts)
+    )

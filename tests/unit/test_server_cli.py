@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,8 +36,11 @@ PROMPT = [(7 * i + 3) % 200 for i in range(40)]
 class Process:
     """A server subprocess; its URL is read from the line it prints when it listens."""
 
-    def __init__(self, command: list[str], tmp_path: Path) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    def __init__(
+        self, command: list[str], tmp_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.api_key = (env or {}).get("MESH_HICACHE_API_KEY", "none")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             command,
             cwd=ROOT,
@@ -68,7 +72,9 @@ class Process:
         self._seen.set()
 
     def client(self):  # -> openai.OpenAI
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", timeout=60, max_retries=0)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.api_key, timeout=60, max_retries=0
+        )
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -111,7 +117,17 @@ def test_one_rank_cli_token_ids_and_sigterm(tmp_path: Path, reference) -> None:
         client = server.client()
         out = client.completions.create(model="tiny", prompt=PROMPT)
         assert out.choices[0].token_ids == reference(PROMPT, 3)
-        assert out.choices[0].text == " ".join(str(i) for i in out.choices[0].token_ids)
+        assert out.choices[0].text == ""  # no tokenizer: the answer is token_ids
+        assert out.choices[0].finish_reason == "length"
+        # A stop token id ends the answer before it (finish "stop"); stop strings need text.
+        ids = out.choices[0].token_ids
+        cut = client.completions.create(
+            model="tiny", prompt=PROMPT, extra_body={"stop_token_ids": [ids[1]]}
+        )
+        assert cut.choices[0].token_ids == ids[: ids.index(ids[1])]
+        assert cut.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+            client.completions.create(model="tiny", prompt=PROMPT, stop=["x"])
         with pytest.raises(openai.BadRequestError, match="list of token ids"):
             client.completions.create(model="tiny", prompt="text needs a tokenizer")
         with pytest.raises(openai.BadRequestError, match="chat needs a checkpoint"):
@@ -124,7 +140,7 @@ def test_one_rank_cli_token_ids_and_sigterm(tmp_path: Path, reference) -> None:
     finally:
         code = server.stop()
     assert code == 0, "".join(server.lines)
-    assert "2 requests served (1 uncached)" in "".join(server.lines)
+    assert "3 requests served (1 uncached)" in "".join(server.lines)
     # No size flag: the budgets come from the machine, in bytes and tokens, in one line.
     budgets = [x for x in server.lines if "cache budgets per rank" in x]
     assert len(budgets) == 1 and "L1 the CPU default" in budgets[0], server.lines
@@ -237,3 +253,80 @@ def test_help_names_the_http_flags_with_defaults_and_hides_trace_flags() -> None
     assert "--token-budget" in text
     assert [a.dest for a in parser._actions if not a.help] == []
     assert parser.prog == "runtime.server"
+
+
+def test_a_busy_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "runtime.server", "--model", "tiny", "--port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        f"runtime.server: error: 127.0.0.1:{port} is already in use; pick another "
+        "--port (0: a free one)"
+    ], proc.stderr[-2000:]
+
+
+def _stream_tokens(server: Process, max_tokens: int, started: threading.Event) -> dict:
+    """Stream one request; returns its token count, finish reason and any error event."""
+    out: dict = {"tokens": 0, "finish": None, "error": None}
+    try:
+        stream = server.client().completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=max_tokens, stream=True
+        )
+        for chunk in stream:
+            started.set()
+            choice = chunk.choices[0] if chunk.choices else None
+            if choice is not None:
+                out["tokens"] += len((choice.model_extra or {}).get("token_ids", []))
+                out["finish"] = choice.finish_reason or out["finish"]
+    except Exception as err:  # the error event of an aborted stream
+        out["error"] = str(err)
+    started.set()
+    return out
+
+
+@pytest.mark.parametrize("drain_s", [60, 0])
+def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path, drain_s: int) -> None:
+    """SIGTERM: no new connection; the request in flight finishes (a long drain) or is
+    aborted with an error event (no drain); the cache is clean; exit 0, promptly."""
+    server = Process(
+        [sys.executable, "-m", "runtime.server", "--model", "tiny", "--cache", "host"]
+        + ["--port", "0", "--drain-s", str(drain_s), "--max-tokens-limit", "2000"],
+        tmp_path,
+        env={"MESH_HICACHE_API_KEY": f"key-{drain_s}"},  # the key from the environment
+    )
+    try:
+        keyless = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            keyless.completions.create(model="tiny", prompt=PROMPT)
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(_stream_tokens, server, 150 if drain_s else 2000, started)
+            assert started.wait(60)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(90)
+            result = future.result(60)
+        took = time.monotonic() - t0
+    finally:
+        server.kill()
+    log = "".join(server.lines)
+    assert code == 0, log
+    assert "Traceback" not in log and "integrity" not in log, log
+    if drain_s:
+        assert result == {"tokens": 150, "finish": "length", "error": None}, result
+        assert "1 requests served" in log, log
+    else:
+        assert result["error"] and result["tokens"] < 2000, result
+        assert "1 aborted" in log and took < 30, (took, log)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(server.url + "/health", timeout=5)

@@ -1,0 +1,161 @@
+"""``runtime.server_stop`` and ``runtime.server_params`` without a server: where an answer
+ends, which text may be streamed, and which request fields are refused."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.server_params import ParamError, RequestParams, StopSpec, unsupported_names
+from runtime.server_stop import AnswerText, answer_of
+
+
+class CharCodec:
+    """One token per character (ids are code points); 0xFFFD decodes as a split
+    multi-byte character would."""
+
+    has_text = True
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+def _stream(stop: StopSpec, text: str) -> tuple[list[str], AnswerText]:
+    answer = AnswerText(CharCodec(), stop)  # type: ignore[arg-type]
+    deltas = [answer.push(ord(c)) for c in text]
+    deltas.append(answer.finish())
+    return deltas, answer
+
+
+def test_a_stop_string_cuts_before_it_and_is_never_sent() -> None:
+    deltas, answer = _stream(StopSpec(("ab",)), "xacabzz")
+    assert deltas[:3] == ["x", "", "ac"]  # "a" held back: it could start "ab"
+    assert "".join(deltas) == "xac" == answer.text
+    assert answer.stopped and answer.finish_reason == "stop"
+    assert answer.ids == [ord(c) for c in "xacab"]  # up to the token that completed it
+
+
+def test_no_stop_releases_everything_and_is_length() -> None:
+    deltas, answer = _stream(StopSpec(("ab",)), "xaa")
+    assert "".join(deltas) == "xaa" and deltas[-1] == "a"  # the held "a" at the end
+    assert answer.finish_reason == "length"
+
+
+def test_stop_ids_end_the_answer_without_the_token() -> None:
+    answer = answer_of(CharCodec(), StopSpec((), frozenset({ord("!")})), [104, 105, 33, 106])  # type: ignore[arg-type]
+    assert answer.text == "hi" and answer.ids == [104, 105] and answer.stopped
+
+
+def test_an_incomplete_character_is_held_back() -> None:
+    answer = AnswerText(CharCodec(), StopSpec())  # type: ignore[arg-type]
+    assert answer.push(ord("a")) == "a"
+    assert answer.push(0xFFFD) == ""
+    assert answer.finish() == "\ufffd"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=4),
+)
+def test_streamed_text_is_the_whole_text_cut_at_the_first_stop(text: str, stops: list[str]) -> None:
+    deltas, answer = _stream(StopSpec(tuple(stops)), text)
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    # OpenAI's rule: the answer ends where a stop string first completes.
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    expected = text
+    if ends:
+        end = min(ends)
+        expected = text[: min(i for i in (text[:end].find(s) for s in stops) if i >= 0)]
+    assert hits or not answer.stopped
+    assert "".join(deltas) == expected == answer.text
+
+
+def _parse(body: dict, chat: bool = False) -> RequestParams:
+    return RequestParams.parse(body, chat, default_max=8, limit=100, vocab_size=50)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logprobs", 2),
+        ("logprobs", True),
+        ("echo", True),
+        ("suffix", "tail"),
+        ("n", 2),
+        ("best_of", 3),
+        ("temperature", 0.7),
+        ("top_p", 0.5),
+        ("presence_penalty", 1.0),
+        ("frequency_penalty", 0.5),
+        ("logit_bias", {"5": 10}),
+        ("seed", "x"),
+        ("frobnicate", 1),
+    ],
+)
+def test_completions_refuse_what_they_do_not_implement(field: str, value: object) -> None:
+    with pytest.raises(ParamError, match=repr(field)) as err:
+        _parse({"prompt": [1], field: value})
+    assert err.value.param == field
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("n", 2),
+        ("echo", False),  # a completions field
+    ],
+)
+def test_chat_refuses_what_it_does_not_implement(field: str, value: object) -> None:
+    with pytest.raises(ParamError, match=repr(field)):
+        _parse({"messages": [], field: value}, chat=True)
+
+
+def test_neutral_values_are_accepted() -> None:
+    body = {"prompt": [1], "n": 1, "temperature": 0, "top_p": 1, "logprobs": None, "echo": False}
+    body |= {"seed": 3, "user": "u", "suffix": None, "presence_penalty": 0.0, "best_of": 1}
+    assert _parse(body).max_tokens == 8
+    chat = {"messages": [], "tools": [], "response_format": {"type": "text"}, "logprobs": False}
+    assert _parse(chat, chat=True).max_tokens == 8
+
+
+def test_stop_fields() -> None:
+    params = _parse({"prompt": [1], "stop": ["a", "a", "bc"], "stop_token_ids": [3, 4]})
+    assert params.stop_strings == ("a", "bc") and params.stop_token_ids == (3, 4)
+    assert params.stop_spec((7, 9)) == StopSpec(("a", "bc"), frozenset({3, 4, 7, 9}))
+    no_eos = _parse({"prompt": [1], "stop_token_ids": [3], "ignore_eos": True})
+    assert no_eos.stop_spec((7,)) == StopSpec((), frozenset({3}))
+    with pytest.raises(ParamError, match="'ignore_eos' must be a boolean"):
+        _parse({"prompt": [1], "ignore_eos": 1})
+    assert _parse({"prompt": [1], "stop": "x"}).stop_strings == ("x",)
+    for bad in ([1, 2], ["a"] * 5 + ["b", "c", "d", "e"], [""], 5):
+        with pytest.raises(ParamError, match="'stop'"):
+            _parse({"prompt": [1], "stop": bad})
+    for bad_ids in ([True], [50], "3"):
+        with pytest.raises(ParamError, match="stop_token_ids"):
+            _parse({"prompt": [1], "stop_token_ids": bad_ids})
+
+
+def test_max_tokens_and_stream_types() -> None:
+    assert _parse({"prompt": [1], "max_tokens": 5}).max_tokens == 5
+    assert (
+        _parse({"messages": [], "max_tokens": 5, "max_completion_tokens": 6}, True).max_tokens == 6
+    )
+    for body in ({"max_tokens": True}, {"max_tokens": 101}, {"stream": "yes"}):
+        with pytest.raises(ParamError):
+            _parse({"prompt": [1], **body})
+    with pytest.raises(ParamError, match="stream_options"):
+        _parse({"prompt": [1], "stream_options": {"include_usage": "no"}})
+
+
+def test_the_documented_refusals_are_the_table() -> None:
+    names = unsupported_names()
+    for name in ("logprobs", "tools", "response_format", "suffix", "n", "echo", "temperature"):
+        assert name in names
+    assert "stop" not in names and "max_tokens" not in names
