@@ -53,6 +53,7 @@ from runtime.checkpoints import choose_model
 from runtime.engine import Engine
 from runtime.launch import LaunchError, exit_process, init_mesh, mesh_failure
 from runtime.scheduler import SchedulerConfig
+from runtime.serve_flags import HelpFormatter
 from runtime.server_api import Reply, RequestParams, error_response, prometheus_text, send_event
 from runtime.server_batch import BatchWorker, follow_batched
 from runtime.server_text import StreamDecoder, TextCodec
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = serve.build_parser()
     p.prog = "runtime.server"
     p.description = __doc__.splitlines()[0]
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = HelpFormatter
     for action in p._actions:
         if action.dest in _TRACE_ONLY:
             action.help = argparse.SUPPRESS
@@ -293,6 +294,9 @@ class Server:
                     delta = decoder.push(value)
                     await send_event(response, reply.delta(delta, [value]))
                 elif kind == "done":
+                    rest = decoder.finish()
+                    if rest:
+                        await send_event(response, reply.delta(rest, []))
                     finish = "stop" if stopped else "length"
                     await send_event(response, reply.finish(finish))
                     if include_usage:

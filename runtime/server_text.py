@@ -163,6 +163,14 @@ class StreamDecoder:
         self._sent = len(text)
         return delta
 
+    def finish(self) -> str:
+        """The text still held back once the answer ended (a character that never
+        completed decodes as a replacement character, as in the whole answer)."""
+        text = self._codec.decode(self._ids)
+        delta = text[self._sent :]
+        self._sent = len(text)
+        return delta
+
 
 def _messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
