@@ -344,3 +344,10 @@ def test_commands_are_written_one_way() -> None:
     for block in ALL_BLOCKS:
         for line in command_lines(block.body):
             assert not re.search(r"\.venv/bin/(?!activate)", line), (block.where(), line)
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """``.ci/run`` runs the README's set-up and test command as written."""
+    readme = [b for b in blocks(ROOT / "README.md") if "-m pytest" in b.body]
+    assert len(readme) == 1
+    assert readme[0].body.strip() in (ROOT / ".ci" / "run").read_text()
