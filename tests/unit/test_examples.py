@@ -1,5 +1,6 @@
 """Every program under examples/ runs to the end, and the library walk-through of
-docs/library.md is code of examples/quickstart.py (so the snippet cannot drift from a runnable program)."""
+docs/library.md is code of examples/quickstart.py (so the snippet cannot drift from a
+runnable program)."""
 
 from __future__ import annotations
 
