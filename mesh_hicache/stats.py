@@ -32,8 +32,9 @@ class CacheStats:
     hit_tokens_storage: int = 0
     """Prompt tokens prefetched from L3 (then loaded through L2)."""
     storage_resharded_tokens: int = 0
-    """Tokens prefetched from L3 objects written under another mesh (reshard on read:
-    KV pages from another layout, or a boundary state the prefix needs from one)."""
+    """Of ``hit_tokens_storage``, the tokens assembled from L3 objects written under
+    another mesh (reshard on read: KV pages from another layout, or a boundary state the
+    prefix needs from one); never more than ``hit_tokens_storage``."""
     raw_kv_hit_tokens: int = 0
     """KV matched before the Mamba rule cut the hit back (shows what states would save)."""
     mamba_hits_device: int = 0
@@ -145,7 +146,8 @@ class CacheStats:
             self.storage_write_errors += 1
 
     def record_reshard(self, tokens: int) -> None:
-        """Tokens of one prefetch that were assembled from another mesh's objects."""
+        """Tokens served from storage to one request that were assembled from another
+        mesh's objects."""
         with self.lock:
             self.storage_resharded_tokens += tokens
 

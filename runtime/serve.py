@@ -43,7 +43,13 @@ from runtime.mesh_config import work_config
 from runtime.model import HybridModel
 from runtime.model.config import DTYPES
 from runtime.prompts import load_prompts, load_tokenizer
-from runtime.serve_flags import build_parser, cache_config, check_load_flags, check_run_flags
+from runtime.serve_flags import (
+    build_parser,
+    cache_config,
+    check_load_flags,
+    check_run_flags,
+    check_size_flags,
+)
 from runtime.startup_checks import (
     ProgressBar,
     StorageWatch,
@@ -148,6 +154,7 @@ def serve_trace(
 
 def check_args(args: argparse.Namespace) -> None:
     """``ValueError`` for any bad flag, before a process group exists."""
+    check_size_flags(args)
     choice = choose_model(
         args.model, DTYPES[args.dtype], model_id=args.model_id, progress=_hash_progress
     )
@@ -227,6 +234,18 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]
     }
 
 
+def human_bytes(n: int) -> str:
+    """``n`` bytes for a reader: ``"512 B"``, ``"1.5 KiB"``, ``"3.2 GiB"`` (powers of 1024)."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     rows = [
         ("requests", f"{summary['requests']}"),
@@ -234,7 +253,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("served from device (L1)", f"{summary['cached_device']}"),
         ("served from host (L2)", f"{summary['cached_host']}"),
         ("served from storage (L3)", f"{summary['cached_storage']}"),
-        ("L3 tokens read resharded", f"{summary.get('storage_resharded_tokens', 0)}"),
+        ("served from L3, resharded", f"{summary.get('storage_resharded_tokens', 0)}"),
         ("prefill tokens computed", f"{summary['prefill_tokens_computed']}"),
         ("hit rate", f"{summary['hit_rate']:.1%}"),
         (
@@ -256,7 +275,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "l3" in summary:
         rows.append(("L3", str(summary["l3"])))
     if "l3_start_objects" in summary:
-        warm = f"{summary['l3_start_objects']} objects, {summary['l3_start_bytes']} bytes"
+        size = human_bytes(summary["l3_start_bytes"])
+        warm = f"{summary['l3_start_objects']} objects, {size}"
         rows.append(("L3 at start", warm))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -317,11 +337,12 @@ def run(args: argparse.Namespace, topology: MeshTopology) -> dict[str, Any]:
         # shows only in the final counters.
         watch.observe(bool(stats and stats.get("storage_degraded")), len(done))
     summary = summarize(results, wall)
-    summary["requests_uncached_l1"] = sum(
-        cache is None or too_long_for_l1(r.prompt_len + len(r.output_ids), args.page_size, l1_pages)
-        for r in results
-    )
-    summary["requests_no_hit"] = sum(r.cached == 0 for r in results)
+    if cache is not None:  # with --cache off nothing is cached, by choice: no such rows
+        summary["requests_uncached_l1"] = sum(
+            too_long_for_l1(r.prompt_len + len(r.output_ids), args.page_size, l1_pages)
+            for r in results
+        )
+        summary["requests_no_hit"] = sum(r.cached == 0 for r in results)
     summary["l3"] = _l3_state(cfg, watch, stats)
     if warm is not None:
         summary["l3_start_objects"], summary["l3_start_bytes"] = warm

@@ -157,11 +157,22 @@ def add_cache_args(p: argparse.ArgumentParser, machine_sized: bool = False) -> N
     )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` only where the help text does not already say what the
+    default is, and never ``(default: None)`` (a flag that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="runtime.serve",
         description=DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_mesh_args(p)
     add_run_args(p)
@@ -302,6 +313,18 @@ def check_load_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--think-s must be >= 0 seconds, got {args.think_s}")
     if args.think_s and rate is None:
         raise ValueError(f"--think-s {args.think_s} needs --request-rate (real-time arrivals)")
+
+
+def check_size_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the flag for the page size and the L1 page count, checked
+    before the model and cache configs would reject them in their own words."""
+    if args.page_size < 1:
+        raise ValueError(f"--page-size must be >= 1 (tokens per page), got {args.page_size}")
+    if args.cache != "off" and not args.device_bytes and args.device_pages < 1:
+        raise ValueError(
+            f"--device-pages must be >= 1 (L1 pages per rank), got {args.device_pages}; "
+            "or give an L1 byte budget with --device-bytes"
+        )
 
 
 def check_run_flags(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import runtime.serve as serve
 from runtime.launch import API_KEY_ENV
+from runtime.serve_flags import HelpFormatter
 from runtime.server_guard import DEFAULT_MAX_BODY_BYTES
 from runtime.server_params import PromptLimits
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = serve.build_parser()
     p.prog = "runtime.server"
     p.description = "An OpenAI-compatible HTTP server over the engine and HiCache."
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = HelpFormatter
     for action in p._actions:
         if action.dest in _TRACE_ONLY:
             action.help = argparse.SUPPRESS

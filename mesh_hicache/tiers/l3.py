@@ -259,9 +259,12 @@ class StorageTier:
         self._free(job, pages)
         if not pages:
             return 0
-        resharded = pages if job.state_resharded else sum(map(bool, job.sources[:pages]))
-        if resharded:
-            self._stats.record_reshard(resharded * self._page_size)
+        # Counted when a request is served from these pages (not here: a prefetch can
+        # put more on host than the request then loads).
+        if job.state_resharded:
+            job.resharded_pages = [True] * pages
+        else:
+            job.resharded_pages = [bool(s) for s in job.sources[:pages]]
         end = (job.start_page + pages) * self._page_size
         result = self._tree.insert(
             job.key.prefix(end),

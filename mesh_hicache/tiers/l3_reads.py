@@ -48,6 +48,8 @@ class Prefetch:
     state_sources: list[SourcePlan] = field(default_factory=list)
     """Other meshes to read the boundary state from when this mesh has none stored."""
     state_resharded: bool = False
+    resharded_pages: list[bool] = field(default_factory=list)
+    """Once finished: per kept page, whether it came from another mesh's objects."""
     started: float = field(default_factory=time.monotonic)
     pages_done: int = 0
     state_ok: bool = False

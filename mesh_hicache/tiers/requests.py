@@ -77,6 +77,7 @@ class RequestLease(Lease):
         "owner",
         "prefetch",
         "prefetched",
+        "prefetched_resharded",
         "prefix_len",
         "prefix_pages",
         "released",
@@ -96,6 +97,8 @@ class RequestLease(Lease):
         self.prefetch: Prefetch | None = None
         self.prefetched = 0
         """Tokens the prefetch put on host (counted as served from storage)."""
+        self.prefetched_resharded: list[bool] = []
+        """Per prefetched page: assembled from another mesh's objects (reshard on read)."""
         self.load: PendingLoad | None = None
         self.finished_load = False
         self.owned_pages: list[int] = []
@@ -172,6 +175,7 @@ class RequestFlow:
             assert self._l3 is not None
             job, lease.prefetch = lease.prefetch, None
             lease.prefetched = self._l3.finish_prefetch(job)
+            lease.prefetched_resharded = job.resharded_pages
         # Again (the prefetch or other requests may have changed the tree), uncounted.
         m = self._tree.match_prefix(lease.key, touch=False)
         lease.move(m.last_node, host=True)
@@ -213,6 +217,9 @@ class RequestFlow:
         loaded = load.num_tokens if ok else 0
         storage = min(lease.prefetched, loaded)
         lease.served = ServedTokens(lease.prefix_len - loaded, loaded - storage, storage)
+        resharded = sum(lease.prefetched_resharded[: storage // self._page_size])
+        if resharded:  # of the tokens served from storage, those resharded
+            self._stats.record_reshard(resharded * self._page_size)
         mamba_hit = None
         if lease.prefix_len and self._has_mamba:
             mamba_hit = "host" if load.prefix_slot is not None else "device"

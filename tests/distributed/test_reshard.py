@@ -97,7 +97,8 @@ def test_read_under_another_mesh(tmp_path, writer, w_kv, reader, r_kv):
             assert cached > 0, f"no L3 hit: {rank_out}"
             assert diff < ATOL, f"logits differ by {diff}"
             assert equal, "greedy tokens differ from recompute"
-        assert resharded >= sum(c[0] for c in checks), rank_out
+        # Counted only where served: at most the L3 tokens served, here all of them.
+        assert resharded == sum(c[0] for c in checks), rank_out
 
 
 def test_same_mesh_restart_reads_no_reshard(tmp_path):
@@ -159,4 +160,4 @@ def test_missing_state_cuts_a_resharded_hit_back_to_a_stored_one(tmp_path):
     for (cached, equal), resharded in out:
         assert equal
         assert 0 < cached <= 4 * PAGE, cached
-        assert resharded >= cached
+        assert resharded == cached

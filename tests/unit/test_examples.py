@@ -1,5 +1,6 @@
-"""Every program under examples/ runs to the end, and the README's library snippet is
-code of examples/quickstart.py (so the snippet cannot drift from a runnable program)."""
+"""Every program under examples/ runs to the end, and the library walk-through of
+docs/library.md is code of examples/quickstart.py (so the snippet cannot drift from a
+runnable program)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,11 @@ def _code_lines(text: str) -> list[str]:
     return lines
 
 
-def test_readme_library_snippet_is_quickstart_code() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## The library", 1)[1]
+def test_library_walk_through_is_quickstart_code() -> None:
+    page = (ROOT / "docs" / "library.md").read_text()
+    section = page.split("## A walk-through", 1)[1]
     snippet = re.search(r"```python\n(.*?)```", section, re.S)
-    assert snippet, "no python block under '## The library'"
+    assert snippet, "no python block under '## A walk-through'"
     example = set(_code_lines((ROOT / "examples" / "quickstart.py").read_text()))
     missing = [line for line in _code_lines(snippet.group(1)) if line not in example]
-    assert missing == [], f"README lines not in examples/quickstart.py: {missing}"
+    assert missing == [], f"docs/library.md lines not in examples/quickstart.py: {missing}"

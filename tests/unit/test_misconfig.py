@@ -187,7 +187,7 @@ def test_summary_says_how_warm_l3_was(tmp_path, capsys, single_rank_group):
     objects, size = startup_checks.l3_warmth(root)
     assert second["summary"]["l3_start_objects"] == objects > 0
     assert second["summary"]["l3_start_bytes"] == size > 0
-    assert f"{objects} objects, {size} bytes" in capsys.readouterr().out
+    assert f"{objects} objects, {serve.human_bytes(size)}" in capsys.readouterr().out
 
 
 def test_help_shows_every_flag_with_help_and_defaults(capsys):

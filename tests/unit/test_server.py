@@ -1,7 +1,8 @@
 """runtime.server driven by the official ``openai`` client (in process, 127.0.0.1).
 
-The server runs a tiny random Granite checkpoint (built by transformers) with a tiny
-word-level ``tokenizer.json`` and a chat template, so text goes in and out. Outputs are
+The server runs the tiny random Granite checkpoint of ``runtime.make_checkpoint`` (built
+by transformers) with its byte-level ``tokenizer.json`` and chat template, so text goes
+in and out. Outputs are
 checked against an engine without a cache on the same weights, the chat prompt against
 transformers' own ``apply_chat_template``.
 """
@@ -25,41 +26,22 @@ openai = pytest.importorskip("openai", reason="needs the openai client (test ext
 pytest.importorskip("aiohttp", reason="needs aiohttp (server extra)")
 pytest.importorskip("prometheus_client", reason="needs prometheus-client (test extra)")
 tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test extra)")
+pytest.importorskip("transformers", reason="needs transformers (test extra)")
 
 from runtime import serve  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
+from runtime.make_checkpoint import make_checkpoint  # noqa: E402
 from runtime.server import Server, build_parser, run_http  # noqa: E402
-from tests import checkpoint_cases  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
-WORDS = ["hello", "world", "the", "cache", "is", "warm", "user", "assistant", "system", ":"]
-TEMPLATE = (
-    "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
-    "{% if add_generation_prompt %}<s> assistant :{% endif %}"
-)
-
 
 def build_text_checkpoint(root: Path) -> Path:
-    """A tiny random Granite checkpoint with a word-level tokenizer and a chat template."""
-    directory = checkpoint_cases.build("granite_dense", root)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in WORDS:
-        vocab[word] = len(vocab)
-    while len(vocab) < checkpoint_cases.VOCAB:
-        vocab[f"w{len(vocab)}"] = len(vocab)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<s>", "</s>", "<unk>"])
-    tok.save(str(directory / "tokenizer.json"))
-    config = {
-        "chat_template": TEMPLATE,
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    """The offline checkpoint of ``runtime.make_checkpoint``: a tiny random Granite hybrid
+    with a byte-level tokenizer and a chat template (built once per directory)."""
+    directory = root / "granite-tiny"
+    if not (directory / "config.json").exists():
+        make_checkpoint("granite-tiny", directory)
     return directory
 
 
@@ -317,14 +299,15 @@ def test_a_request_l1_cannot_hold_is_served_uncached_with_one_warning(
     argv += ["--cache", "host", "--max-new-tokens", "3"]
     small = LiveServer(argv, one_rank_topology)
     try:
-        prompt = " ".join(["hello world the cache"] * 5)  # 20 tokens + 3 > 4 pages of 4
+        prompt = " ".join(["hello world the cache"] * 5)  # 109 tokens + 3 > 4 pages of 4
         with caplog.at_level(logging.WARNING, logger="runtime.server"):
             for _ in range(2):
                 out = small.client().completions.create(model=small.server.name, prompt=prompt)
                 assert out.choices[0].token_ids == reference(_encode(checkpoint, prompt), 3)
                 assert out.usage.prompt_tokens_details.cached_tokens == 0
         warned = [r.getMessage() for r in caplog.records if "does not fit L1" in r.getMessage()]
-        assert len(warned) == 1 and "at least 6" in warned[0], warned
+        pages = -(-(len(_encode(checkpoint, prompt)) + 3) // 4)
+        assert len(warned) == 1 and f"at least {pages}" in warned[0], warned
         assert small.metric("mesh_hicache_server_uncached_total") == 2
     finally:
         small.close()
