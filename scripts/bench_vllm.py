@@ -395,7 +395,7 @@ def make_checkpoint(args: argparse.Namespace) -> str:
     """``--model``, or the ``--kind`` checkpoint under ``--checkpoints`` (built once: a
     fixed path lets vLLM reuse its compiled graphs across starts)."""
     if args.model:
-        return str(args.model)
+        return str(Path(args.model).resolve())  # the vLLM servers run in another cwd
     out = Path(args.checkpoints) / f"{args.kind}{'-wide' if args.wide else ''}"
     cmd = [args.vllm_python, str(ROOT / "scripts" / "bench_vllm_models.py"), str(out), args.kind]
     subprocess.run(cmd + (["--wide"] if args.wide else []), check=True, timeout=900)

@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -108,7 +109,7 @@ class VllmServer:
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(
             cmd,
-            cwd=ROOT,
+            cwd=tempfile.gettempdir(),  # not ROOT: the cwd comes first on sys.path
             env=dict(env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -246,7 +247,7 @@ def module_available(python: str, module: str, extra_pythonpath: Sequence[str]) 
     proc = subprocess.run(
         [python, "-c", f"import {module}"],
         env=env,
-        cwd=ROOT,
+        cwd=tempfile.gettempdir(),  # --connector-path before this tree, not after it
         capture_output=True,
         text=True,
         timeout=600,
