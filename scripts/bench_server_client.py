@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,11 +109,19 @@ class ServerProcess:
 
 
 def stream_one(
-    client: Any, model: str, conversation: int, turn: int, prompt: Sequence[int], max_tokens: int
+    client: Any,
+    model: str,
+    conversation: int,
+    turn: int,
+    prompt: Sequence[int],
+    max_tokens: int,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> RequestRecord:
     """One streamed completion of token ids, timed on the client.
 
-    TTFT is from sending the request to the first chunk carrying a token; latency runs
+    ``extra_body``: request fields beyond the OpenAI ones (vLLM needs
+    ``return_token_ids`` to stream ids, ``temperature`` 0 for greedy). TTFT is from
+    sending the request to the first chunk carrying a token; latency runs
     to the end of the stream (after the usage chunk). ``RuntimeError`` without usage."""
     start = time.perf_counter()
     ttft = 0.0
@@ -125,6 +133,7 @@ def stream_one(
         max_tokens=max_tokens,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=dict(extra_body) if extra_body else None,
     )
     for chunk in stream:
         if chunk.choices:
@@ -150,6 +159,7 @@ def run_clients(
     conversations: Sequence[Conversation],
     clients: int,
     max_tokens: int,
+    extra_body: Mapping[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """``clients`` threads take conversations in order and run each to its last turn.
 
@@ -178,7 +188,9 @@ def run_clients(
                 for turn in range(len(conv.appends) + 1):
                     if turn:
                         prompt += list(conv.appends[turn - 1])
-                    rec = stream_one(client, model, conv.index, turn, prompt, max_tokens)
+                    rec = stream_one(
+                        client, model, conv.index, turn, prompt, max_tokens, extra_body
+                    )
                     with lock:
                         records.append(rec)
                     prompt += rec.output_ids
