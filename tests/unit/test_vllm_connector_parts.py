@@ -46,8 +46,12 @@ class _Engine:
             {"storage_root": str(root), "host_bytes": host_pages * page_bytes}
         )
         self.sched = ConnectorScheduler(
-            config, plan, open_storage("file", root=str(root)),
-            page_bytes=page_bytes, num_workers=1, tp_size=1,
+            config,
+            plan,
+            open_storage("file", root=str(root)),
+            page_bytes=page_bytes,
+            num_workers=1,
+            tp_size=1,
         )
         self.worker = ConnectorWorker(
             plan, open_storage("file", root=str(root)), tp_coord=0, tp_size=1, stats_file=None
@@ -79,8 +83,11 @@ class _Engine:
 
 def _request(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
     return SimpleNamespace(
-        request_id=rid, all_token_ids=tokens, num_prompt_tokens=len(tokens),
-        num_computed_tokens=len(tokens), cache_salt=salt,
+        request_id=rid,
+        all_token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        num_computed_tokens=len(tokens),
+        cache_salt=salt,
     )
 
 

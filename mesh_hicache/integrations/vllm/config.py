@@ -88,9 +88,7 @@ class ConnectorConfig:
         elif storage == "mooncake":
             master = extra.get("master")
             if not isinstance(master, str) or ":" not in master:
-                raise ValueError(
-                    f"storage 'mooncake' needs 'master' as host:port, got {master!r}"
-                )
+                raise ValueError(f"storage 'mooncake' needs 'master' as host:port, got {master!r}")
             options = {"master_address": master, **dict(extra.get("mooncake") or {})}
         else:
             raise ValueError(f"storage must be 'file' or 'mooncake', got {storage!r}")

@@ -100,8 +100,9 @@ class KeyPlan:
         return bool(self.groups) and all(g.supported for g in self.groups) and len(sizes) == 1
 
     def hash_namespace(self, tenant: str) -> str:
-        geometry = hashlib.blake2b("\n".join(g.geometry for g in self.groups).encode(),
-                                   digest_size=16).hexdigest()
+        geometry = hashlib.blake2b(
+            "\n".join(g.geometry for g in self.groups).encode(), digest_size=16
+        ).hexdigest()
         return f"{tenant}\x00{geometry}"
 
     def page_hashes(self, tokens: list[int], tenant: str) -> list[bytes]:

@@ -58,7 +58,7 @@ class ConnectorScheduler:
         self._pending: dict[str, _Pending] = {}
         self._orders = StepOrders()
         self._reports: dict[int, list[bool]] = {}
-        self._prefetch_owner: dict[int, str] = {}
+        self._prefetching: dict[int, tuple[str, HostEntry]] = {}
 
     # -- hits -----------------------------------------------------------------------------
 
@@ -102,9 +102,7 @@ class ConnectorScheduler:
     def _start_prefetch(self, req_id: str, pending: _Pending, start: int) -> bool:
         assert self.storage is not None
         wanted = pending.hashes[start:]
-        keys = [
-            k for h in wanted for k in self.plan.keys(h, pending.tenant, 0, self.tp_size)
-        ]
+        keys = [k for h in wanted for k in self.plan.keys(h, pending.tenant, 0, self.tp_size)]
         per_page = len(self.plan.groups)
         found = self.storage.exists(keys) // per_page
         if found * self.plan.page_size < max(1, self.config.prefetch_threshold):
@@ -114,7 +112,7 @@ class ConnectorScheduler:
             entry = self.directory.add(h, ready=False, from_l3=True, pinned=True)
             pending.entries.append(entry)
             pending.prefetching.add(entry.entry_id)
-            self._prefetch_owner[entry.entry_id] = req_id
+            self._prefetching[entry.entry_id] = (req_id, entry)
             self._orders.prefetches.append(PageOrder(entry.entry_id, h, pending.tenant))
         return bool(found)
 
@@ -126,14 +124,12 @@ class ConnectorScheduler:
             if len(got) < self.num_workers:
                 continue
             del self._reports[entry_id]
-            req_id = self._prefetch_owner.pop(entry_id, None)
-            pending = self._pending.get(req_id) if req_id is not None else None
-            entry = next((e for e in pending.entries if e.entry_id == entry_id), None) if (
-                pending
-            ) else None
-            if entry is None:
+            if entry_id not in self._prefetching:
                 continue
-            pending.prefetching.discard(entry_id)  # type: ignore[union-attr]
+            req_id, entry = self._prefetching.pop(entry_id)
+            pending = self._pending.get(req_id)
+            if pending is not None:
+                pending.prefetching.discard(entry_id)
             if all(got):
                 entry.ready = True
                 self.counters.prefetched_pages += 1
@@ -195,7 +191,11 @@ class ConnectorScheduler:
         """Save the request's whole computed pages not yet in L2; True when vLLM must keep
         its blocks until the workers copied them."""
         req_id: str = request.request_id  # type: ignore[attr-defined]
-        self._pending.pop(req_id, None)
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:  # finished (or aborted) before its load: release its pages
+            for entry in pending.entries:
+                if entry.pins:
+                    self.directory.unpin(entry)
         if not self.plan.supported or not block_ids or not block_ids[0]:
             return False
         computed = int(getattr(request, "num_computed_tokens", 0))

@@ -74,6 +74,9 @@ class ConnectorWorker:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mhc-l3")
         self._finished_saves: set[str] = set()
         self._entry_orders: dict[int, PageOrder] = {}
+        self._dropped: set[int] = set()
+        self._inflight: set[int] = set()
+        """Entries dropped while their prefetch may still run (never stored afterwards)."""
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Take vLLM's per-layer KV tensors, grouped like the plan's groups."""
@@ -91,8 +94,10 @@ class ConnectorWorker:
         """Saves, then loads, then drops (in that order: a load may read a page saved in
         the same step; a drop never precedes a load of the same step)."""
         for order in orders.saves:
-            pages = [self._gather(layers, bid) for layers, bid in zip(self.groups, order.block_ids,
-                                                                        strict=True)]
+            pages = [
+                self._gather(layers, bid)
+                for layers, bid in zip(self.groups, order.block_ids, strict=True)
+            ]
             self.host[order.entry_id] = pages
             self.counters.saved_pages += 1
             if orders.write_l3:
@@ -101,17 +106,22 @@ class ConnectorWorker:
                 self._entry_orders[order.entry_id] = order
         self._finished_saves.update(orders.save_request_ids)
         for order in orders.loads:
-            pages = self.host.get(order.entry_id)
-            assert pages is not None, f"L2 entry {order.entry_id} is not held by this worker"
-            for layers, bid, page in zip(self.groups, order.block_ids, pages, strict=True):
+            held = self.host.get(order.entry_id)
+            assert held is not None, f"L2 entry {order.entry_id} is not held by this worker"
+            for layers, bid, page in zip(self.groups, order.block_ids, held, strict=True):
                 self._scatter(layers, bid, page)
             self.counters.loaded_pages += 1
         for entry_id in orders.drops:
-            pages = self.host.pop(entry_id, None)
-            order = self._entry_orders.pop(entry_id, None)
-            if pages is not None and order is not None:
-                self._io.submit(self._put, order, pages)
+            with self._lock:
+                dropped = self.host.pop(entry_id, [])
+                if entry_id in self._inflight:
+                    self._dropped.add(entry_id)
+            backup = self._entry_orders.pop(entry_id, None)
+            if dropped and backup is not None:
+                self._io.submit(self._put, backup, dropped)
         for order in orders.prefetches:
+            with self._lock:
+                self._inflight.add(order.entry_id)
             self._io.submit(self._prefetch, order)
         self.counters.host_pages = len(self.host)
         if not orders.empty():
@@ -175,8 +185,10 @@ class ConnectorWorker:
         with self._lock:
             self.counters.l3_get_objects += sum(ok)
             self.counters.l3_get_failed += len(ok) - sum(ok)
-            if good:
+            if good and order.entry_id not in self._dropped:
                 self.host[order.entry_id] = pages
+            self._dropped.discard(order.entry_id)
+            self._inflight.discard(order.entry_id)
             self._report.prefetched.setdefault(order.entry_id, []).append(good)
 
     def write_stats(self) -> None:
