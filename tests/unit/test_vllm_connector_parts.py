@@ -192,3 +192,33 @@ def test_model_id_names_the_weights(tmp_path: Path) -> None:
     assert a != connector_model_id(str(tmp_path / "a"), None, "bfloat16")
     with pytest.raises(ValueError, match="local directory"):
         connector_model_id("org/name", None, "float32")
+
+
+def test_keys_carry_each_tp_ranks_head_slice() -> None:
+    """The key path of tensor parallelism (vLLM's CPU build here runs one worker): each tp
+    coordinate keys its own KV head range; with fewer KV heads than ranks, the ranks that
+    hold one head share its key (one object, equal bytes)."""
+    plan = _plan()
+    h = plan.page_hashes(list(range(BLOCK)), "")[0]
+    group = plan.groups[0]
+    sharded = GroupLayout(**{**_fields(group), "total_kv_heads": 4, "local_kv_heads": 2})
+    tp2 = KeyPlan(plan.model_id, plan.dtype, 1, (sharded,))
+    k0, k1 = (tp2.keys(h, "", r, 2)[0] for r in (0, 1))
+    assert (k0.slice.heads, k1.slice.heads) == ((0, 2), (2, 4))
+    assert k0.to_str() != k1.to_str()
+    one_head = GroupLayout(**{**_fields(group), "total_kv_heads": 2, "local_kv_heads": 1})
+    tp4 = KeyPlan(plan.model_id, plan.dtype, 1, (one_head,))
+    heads = [tp4.keys(h, "", r, 4)[0].slice.heads for r in range(4)]
+    assert heads == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    # Model, dtype, tenant and geometry each change every key.
+    base = plan.keys(h, "", 0, 1)[0].to_str()
+    assert KeyPlan("weights:other", "float32", 1, plan.groups).keys(h, "", 0, 1)[0].to_str() != base
+    assert KeyPlan(plan.model_id, "bfloat16", 1, plan.groups).keys(h, "", 0, 1)[0].to_str() != base
+    assert plan.keys(h, "alice", 0, 1)[0].to_str() != base
+    reshaped = GroupLayout(**{**_fields(group), "geometry": "FullAttentionSpec|bs=4|head=128"})
+    other_geometry = KeyPlan(plan.model_id, plan.dtype, 1, (reshaped,))
+    assert other_geometry.page_hashes(list(range(BLOCK)), "")[0] != h
+
+
+def _fields(group: GroupLayout) -> dict:
+    return {f: getattr(group, f) for f in GroupLayout.__slots__}
