@@ -39,7 +39,9 @@ def _plan(kind: str = "FullAttentionSpec") -> KeyPlan:
 class _Engine:
     """One engine's connector halves over fake paged KV ``[blocks, 2, BLOCK, heads, dim]``."""
 
-    def __init__(self, root: Path, host_pages: int, plan: KeyPlan | None = None) -> None:
+    def __init__(
+        self, root: Path, host_pages: int, plan: KeyPlan | None = None, secret: bytes | None = None
+    ) -> None:
         plan = plan or _plan()
         page_bytes = 2 * 2 * BLOCK * 2 * 8 * 4
         config = ConnectorConfig.from_extra(
@@ -48,13 +50,17 @@ class _Engine:
         self.sched = ConnectorScheduler(
             config,
             plan,
-            open_storage("file", root=str(root)),
+            open_storage("file", root=str(root), secret=secret),
             page_bytes=page_bytes,
             num_workers=1,
             tp_size=1,
         )
         self.worker = ConnectorWorker(
-            plan, open_storage("file", root=str(root)), tp_coord=0, tp_size=1, stats_file=None
+            plan,
+            open_storage("file", root=str(root), secret=secret),
+            tp_coord=0,
+            tp_size=1,
+            stats_file=None,
         )
         self.kv = {n: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 8) for n in LAYERS}
         self.worker.register(self.kv, NUM_BLOCKS)
@@ -222,3 +228,16 @@ def test_keys_carry_each_tp_ranks_head_slice() -> None:
 
 def _fields(group: GroupLayout) -> dict:
     return {f: getattr(group, f) for f in GroupLayout.__slots__}
+
+
+def test_other_secret_is_a_miss(tmp_path: Path) -> None:
+    """Objects sealed under one secret are misses under another (forged / foreign)."""
+    tokens = list(range(1, 1 + 2 * BLOCK + 1))
+    a = _Engine(tmp_path, host_pages=8, secret=b"s" * 32)
+    _fill(a, [0, 1], seed=4)
+    _finish(a, _request("r1", tokens), [0, 1, 2])
+    a.worker._io.submit(lambda: None).result()
+    assert _Engine(tmp_path, host_pages=8, secret=b"s" * 32).hit(_request("r2", tokens)) == 8
+    other = _Engine(tmp_path, host_pages=8, secret=b"t" * 32)
+    assert other.hit(_request("r3", tokens)) == 0
+    assert other.sched.counters.l3_hit_tokens == 0
