@@ -1,4 +1,4 @@
-"""Continuous batching over the cache (issue 14): a waiting queue and a running batch.
+"""Continuous batching over the cache: a waiting queue and a running batch.
 
 Each :meth:`Scheduler.run` loop iteration is one *step*, the same on every rank:
 

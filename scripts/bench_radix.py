@@ -26,7 +26,7 @@ fresh list of fresh ints per request and tree, as a tokenizer returns them):
 - **evict**: each ``evict_device`` / ``evict_mamba_device`` call the device pools need
   (a pool of ``--pages`` pages: the tree is held at that size), timed per call.
 
-Before session 14 the bench allocated a page for every token of the request and left the
+Earlier versions of this bench allocated a page for every token of the request and left the
 prefix unlocked (``--alloc-full``): not what HiCache does, and the per-request transient
 it held (up to 250 pages at page size 16) was a quarter of a 1k pool, so the 1k tree had
 larger nodes (41.5 pages per node vs 30) and fewer victims per call than the larger ones.
@@ -39,8 +39,8 @@ every operation (``--block 1`` alternates op by op). The
 process is pinned to one CPU, ops are timed in thread CPU time by default (``--clock``), and
 the trees are filled to their size, then warmed up until evictions have freed
 ``--warmup-turnover`` times the pool (1 by default: a 100k-page tree needs ~5,000 requests
-at page size 16, ~17,000 at 64), so every size is timed in its steady state (before
-session 14 the 100k tree was timed 200 requests after its first eviction, while it was
+at page size 16, ~17,000 at 64), so every size is timed in its steady state (earlier
+versions timed the 100k tree was timed 200 requests after its first eviction, while it was
 still evicting the fill's nodes: 2.76 victims per call vs 2.50 at 10k); then the state is frozen
 (``gc.freeze()``) and the collector runs between requests, never inside a timed op (an
 allocation by one tree must not bill a collection to the other).
@@ -92,7 +92,7 @@ from mesh_hicache import radix as new_radix
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_PKG = "old_radix_bench"
 OLD_REV = "4301f1e"
-"""The OLD tree by default: the radix package before issue 20."""
+"""The OLD tree by default: the radix package before its flat-array rewrite."""
 
 
 def load_old_radix(rev: str, folder: str) -> ModuleType:
@@ -311,7 +311,7 @@ def main() -> None:
     p.add_argument(
         "--alloc-full",
         action="store_true",
-        help="pages for every token of a request, the prefix unlocked (before session 14: "
+        help="pages for every token of a request, the prefix unlocked (the old bench's way: "
         "not what HiCache does)",
     )
     p.add_argument(

@@ -5,7 +5,7 @@ residency time (docs/DESIGN.md section 5).
 compute a hit at the node saves per byte): ``horizon`` 0 is LRU, a large one ranks by
 value. A fixed horizon in logical ticks means something else in a 1 GB cache, whose
 victims were last used a few ticks ago, than in a 20 GB one, whose victims are hundreds of
-ticks old, and the best fixed horizon moved with the budget (README "Cache policy on
+ticks old, and the best fixed horizon moved with the budget (docs/performance.md "Cache policy on
 replayed traces"). The Marconi paper's baseline is scale-free instead: it normalizes
 recency by the span of the candidates' ages. This policy does the same online, in a
 heap-friendly form: the horizon is ``scale`` times the running mean age of its victims
@@ -51,7 +51,7 @@ class AdaptiveCostPolicy(EvictionPolicy):
     ``min(scale * mean victim age, max_horizon)``; the mean is an exponential moving
     average with weight ``mean_decay`` per victim, and the target moves when it drifts
     by more than 2 % (plus one tick) from the last one. The constants were chosen once
-    on the seed-1 traces for every shape and budget alike (README).
+    on the seed-1 traces for every shape and budget alike (docs/performance.md).
     """
 
     path_stats = True

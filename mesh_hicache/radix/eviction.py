@@ -260,7 +260,7 @@ class DecayCostPolicy(EvictionPolicy):
     ``scripts/baseline_policies.py``) the value enters as a
     log, so twice the value buys the same extra lifetime (``horizon * ln 2``) whatever its
     size, and recency keeps its weight on workloads where the value says little (agent
-    traces; README "Cache policy on replayed traces"). ``horizon`` 200 was chosen once on
+    traces; docs/performance.md "Cache policy on replayed traces"). ``horizon`` 200 was chosen once on
     the seed-1 traces, for every shape and budget alike (docs/DESIGN.md section 5).
     """
 

@@ -9,7 +9,7 @@ Write policy (docs/DESIGN.md section 7), decided here and nowhere else:
   copies a device victim to host (and waits for the copy) before it goes. With
   ``value_gate`` only when it is worth its bytes there (:meth:`BackupQueue.worth_host`:
   the eviction policy ranks it above the host tier's own next victim); off by default,
-  as it measured lower hit rates on the replayed traces (README, issue 16).
+  as it measured lower hit rates on the replayed traces (docs/performance.md).
 
 A backup reserves host pages/slots (agreed), records them in the tree at once, and keeps
 its nodes locked (device copy stays) and host-protected (host copy stays) through a

@@ -1,4 +1,4 @@
-"""Loud misconfiguration in runtime.serve (issue 19 item 3, 4, 5): warnings at start-up,
+"""Loud misconfiguration in runtime.serve: warnings at start-up,
 exit code 2 for a requested L3 that cannot start, the summary's L3 and uncached lines,
 the per-user L3 root, and a CLI that explains itself. ``serve.main`` runs in process
 on the tests' one-rank group."""

@@ -92,7 +92,7 @@ def test_symlinked_root_on_four_ranks(tmp_path, off):
     run, stderr = _serve(tmp_path, "mesh", *mesh, nproc=4)
     assert _outputs(run) == off
     assert list(outside.iterdir()) == [] and (root / "v1").is_symlink()
-    # One warning for the mesh (issue 19): rank 0's, labelled with its coordinates.
+    # One warning for the mesh: rank 0's, labelled with its coordinates.
     assert stderr.count("refused symlink") == 1
     assert "[rank (pp, cp, tp) = (0, 0, 0)] " in stderr
 

@@ -1,4 +1,4 @@
-"""The request API under misuse (issue 12): exception-safe ``match``, lock accounting in
+"""The request API under misuse: exception-safe ``match``, lock accounting in
 ``check_integrity``, ``insert`` validated before anything changes, released and foreign
 requests refused, token and count validation."""
 

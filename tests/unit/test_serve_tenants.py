@@ -1,4 +1,4 @@
-"""runtime.serve tenants (issue 12): ``--tenant NAME`` and a per-request ``"tenant"`` in a
+"""runtime.serve tenants: ``--tenant NAME`` and a per-request ``"tenant"`` in a
 ``--prompts`` file reach the cache; identical prompts of two tenants share nothing."""
 
 from __future__ import annotations

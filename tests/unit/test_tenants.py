@@ -1,4 +1,4 @@
-"""Tenants (issue 12): two tenants with identical prompts share nothing in any tier (L1,
+"""Tenants: two tenants with identical prompts share nothing in any tier (L1,
 L2, L3), and one tenant's hits are the same with or without another tenant's traffic."""
 
 from __future__ import annotations
