@@ -260,8 +260,8 @@ class DecayCostPolicy(EvictionPolicy):
     ``scripts/baseline_policies.py``) the value enters as a
     log, so twice the value buys the same extra lifetime (``horizon * ln 2``) whatever its
     size, and recency keeps its weight on workloads where the value says little (agent
-    traces; docs/performance.md "Cache policy on replayed traces"). ``horizon`` 200 was chosen once on
-    the seed-1 traces, for every shape and budget alike (docs/DESIGN.md section 5).
+    traces; docs/performance.md "Cache policy on replayed traces"). ``horizon`` 200 was
+    chosen once on the seed-1 traces, for every shape and budget alike (docs/DESIGN.md section 5).
     """
 
     path_stats = True
