@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from mesh_hicache.cache import HiCache
 from runtime.model import HybridModel
 from runtime.request_run import RequestResult, RequestRun, TokenHook, stop_at
-from runtime.workloads import Turn
+from runtime.workloads.generate import Turn
 
 
 @dataclass(slots=True)

@@ -26,16 +26,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from mesh_hicache.cache import CachedRequest, CacheFull
+from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
 from mesh_hicache.layout import kv_page_tokens, kv_shard_positions
-from runtime.model import SeqState
+from runtime.model import HybridModel, SeqState
 
-if TYPE_CHECKING:
-    from runtime.engine import Engine
+
+class EngineParts(Protocol):
+    """What a request takes from the engine that runs it (``runtime.engine.Engine``)."""
+
+    model: HybridModel
+    cache: HiCache | None
+    keep_logits: bool
+    paged: bool
+
 
 TokenHook = Callable[[int], bool]
 """Called with each generated token id; True ends the request after that token."""
@@ -122,7 +129,7 @@ class RequestRun:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineParts,
         prompt: Sequence[int],
         namespace: str,
         tenant: str | None,

@@ -49,7 +49,7 @@ from mesh_hicache.choices import PrefetchPolicy
 from runtime.engine import Engine
 from runtime.model import HybridModel
 from runtime.request_run import RequestResult, RequestRun
-from runtime.workloads import Turn
+from runtime.workloads.generate import Turn
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Replays a JSONL trace (``scripts/make_trace.py``; one request per line with
 ``session_id``, ``input_tokens`` = the full prompt, ``output_tokens``, in arrival order)
 through the real ``HiCache`` on a one-rank CPU mesh, with the engine's cache calls and
-checkpoint placement (``runtime.replay``) and no model compute. Tiers use small tensors
+checkpoint placement (``runtime.workloads.replay``) and no model compute. Tiers use small tensors
 sized from the byte budgets and the model profile (bytes per KV page and per state
 checkpoint): by default each tier is one arena shared by pages and states
 (``--split arena``, the cache's ``device_bytes`` / ``host_bytes``), or fixed pools by
@@ -19,7 +19,7 @@ LRU and the Marconi baseline at each alpha on the same trace and reports the bes
 Byte sizes take an optional unit: ``K``/``M``/``G`` (powers of 1000, also ``KB`` etc.) or
 ``KiB``/``MiB``/``GiB``. ``token_hit_rate`` is reused prompt tokens / prompt tokens (a
 fraction); ``flops_saved`` sums ``profile.flops(0, reused)`` over requests (attention
-with its per-position term, MLP and recurrent FLOPs; ``runtime.profiles``). Both are also
+with its per-position term, MLP and recurrent FLOPs; ``runtime.workloads.profiles``). Both are also
 reported per tier the reused prefix came from. Progress goes to stderr.
 """
 
@@ -39,10 +39,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from mesh_hicache.radix import eviction
 from mesh_hicache.testing import internals
 from mesh_hicache.topology import MeshTopology
-from runtime.profiles import ModelProfile, profile
-from runtime.profiles_hf import load_hf_config
-from runtime.replay import SPLITS, TIERS, Replayer, budget_cache
-from runtime.traces import TraceRequest, read_jsonl
+from runtime.workloads.profiles import ModelProfile, profile
+from runtime.workloads.profiles_hf import load_hf_config
+from runtime.workloads.replay import SPLITS, TIERS, Replayer, budget_cache
+from runtime.workloads.traces import TraceRequest, read_jsonl
 
 POLICIES = ("lru", "cost", "adaptive", "reuse", "gds", "marconi")
 DEFAULT_POLICY = "cost"
@@ -272,7 +272,7 @@ def replay(
 
 
 def cfg_split(cfg: Any, args: argparse.Namespace) -> str:
-    """How the budgets were turned into tiers (``runtime.replay.budget_config``)."""
+    """How the budgets were turned into tiers (``runtime.workloads.replay.budget_config``)."""
     if cfg.device_bytes:
         return "arena"
     return "share" if args.state_share is not None else "rule"

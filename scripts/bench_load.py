@@ -31,7 +31,7 @@ tokens, 4 in flight. On the shared 2-core box (load average 15-25) one repetitio
 about 12 minutes, half of it the light rate (its wall time is the arrival span, by
 design), and the hit probe about 4 (the 8192-token cold prefill).
 
-Metrics (``runtime.serve.summarize``): ``throughput_rps`` (requests per wall second of
+Metrics (``runtime.serve.main.summarize``): ``throughput_rps`` (requests per wall second of
 the run: from the first arrival to the last answer), ``throughput_tps`` (prompt tokens,
 cached or computed, plus generated tokens, per wall second), TTFT p50 / p99 (from the
 request's arrival, queueing included), ``decode_tokens_per_s`` (tokens after the first
@@ -67,10 +67,10 @@ from mesh_hicache.cache import HiCache
 from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
 from runtime.model import HybridModel
-from runtime.serve import build_model, serve_trace, summarize, workload
-from runtime.serve_flags import build_parser as serve_parser
-from runtime.serve_flags import cache_config
-from runtime.workloads import Turn, with_arrivals
+from runtime.serve.flags import build_parser as serve_parser
+from runtime.serve.flags import cache_config
+from runtime.serve.main import build_model, serve_trace, summarize, workload
+from runtime.workloads.generate import Turn, with_arrivals
 
 MODE_TO_CACHE = {"off": "off", "device": "device", "host": "host", "storage": "full"}
 RATE_FACTORS = (0.5, 2.0, 8.0)

@@ -44,7 +44,7 @@ import bench_common
 from bench_common import Column
 from bench_server_client import Conversation, RequestRecord, ServerProcess, run_clients
 
-from runtime.serve import percentile
+from runtime.serve.main import percentile
 
 RATIO_METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s")
 """Metrics compared B over A (for the TTFT ones, below 1 is better)."""

@@ -56,9 +56,9 @@ from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine, RequestResult
 from runtime.launch import LaunchError, add_mesh_args, init_mesh
 from runtime.model import HybridModel
-from runtime.serve import build_model, serve_trace, summarize, workload
-from runtime.serve_flags import add_cache_args, add_run_args, cache_config
-from runtime.serve_flags import build_parser as serve_parser
+from runtime.serve.flags import add_cache_args, add_run_args, cache_config
+from runtime.serve.flags import build_parser as serve_parser
+from runtime.serve.main import build_model, serve_trace, summarize, workload
 
 MODES = ("off", "device", "host", "storage", "restart")
 SERVE_DEFAULTS = {"sessions": 8, "turns": 4, "first_prompt_len": 512}

@@ -17,7 +17,7 @@ the same repetition, then the median.
     python scripts/bench_vllm.py --kind llama --wide --modes vllm,runtime
 
 Per mode: token hit rate by tier (vLLM's device prefix cache and its connector's tokens
-from vLLM's /metrics; ``runtime.server``'s device/host/storage tiers from its /metrics),
+from vLLM's /metrics; ``runtime.server.main``'s device/host/storage tiers from its /metrics),
 TTFT p50/p99 (client side, to the first streamed token), requests/s, output tokens/s.
 Greedy outputs of every run must equal vLLM alone's; otherwise the exit status is 1. A mode
 that cannot run here (no Mooncake store, the connector not importable, an architecture
@@ -45,7 +45,7 @@ import bench_vllm_servers as servers
 from bench_server import output_mismatches, summarize
 from bench_server_client import ROOT, Conversation, RequestRecord, run_clients
 
-from runtime.workloads import make_workload
+from runtime.workloads.generate import make_workload
 
 MODES = ("vllm", "vllm-mooncake", "mesh-l2", "mesh-l2l3", "mesh-restart", "runtime")
 BASE = "vllm"

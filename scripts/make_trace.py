@@ -4,7 +4,7 @@
     python scripts/make_trace.py agent --seed 1 --set sessions=80 --set keep_observations=5 \\
         --out agent.jsonl
 
-``--set FIELD=VALUE`` overrides a ``runtime.traces.TraceShape`` field; ``--session-rate``
+``--set FIELD=VALUE`` overrides a ``runtime.workloads.traces.TraceShape`` field; ``--session-rate``
 (sessions started per second, Poisson) and ``--think-s`` (mean seconds between a
 session's turns) are the arrival fields by name. Every line carries ``arrival_s`` (planned
 arrival, trace seconds) and a later turn ``think_s`` (its gap); ``--no-times`` leaves
@@ -18,7 +18,7 @@ import argparse
 import sys
 from dataclasses import fields, replace
 
-from runtime.traces import SHAPES, TraceShape, make_trace, trace_shape, write_jsonl
+from runtime.workloads.traces import SHAPES, TraceShape, make_trace, trace_shape, write_jsonl
 
 
 def _override(text: str) -> tuple[str, object]:

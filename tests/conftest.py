@@ -1,4 +1,5 @@
-"""Shared fixtures: a one-rank gloo process group and its 1x1x1 mesh topology."""
+"""Shared fixtures: a one-rank gloo process group and its 1x1x1 mesh topology; the
+versions of the oracle packages in the report header."""
 
 from __future__ import annotations
 
@@ -13,6 +14,22 @@ import torch.distributed as dist
 # also loads stall in barriers (a test of three serve runs, ~11 s quiet, took 28-337 s).
 # Set after torch is imported, so this process keeps torch's default.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+ORACLES = ("torch", "transformers", "safetensors", "tokenizers", "hypothesis", "openai")
+
+
+def pytest_report_header(config) -> str:
+    """The versions the suite ran with (the test extra bounds them)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ORACLES:
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} missing")
+    return "versions: " + ", ".join(found)
 
 
 @pytest.fixture(scope="session")

@@ -143,7 +143,7 @@ class BatchCheck:
 def mixed_trace(vocab: int, *, seed: int = 3) -> list:
     """Multi-turn chats (the next turn continues the answer), two requests sharing a
     system prompt, and a turn ending at a stop token: 9 requests, 40..90-token prompts."""
-    from runtime.workloads import Turn
+    from runtime.workloads.generate import Turn
 
     rng = random.Random(seed)
     system = tuple(_tokens(rng, 2 * PAGE + 3, vocab))
@@ -180,7 +180,7 @@ def batched_vs_sequential(
     caches must pass ``check_integrity`` with no request left open."""
     from mesh_hicache.testing import internals
     from runtime.scheduler import Scheduler, SchedulerConfig
-    from runtime.workloads import Turn
+    from runtime.workloads.generate import Turn
 
     model = _model(topology, cp_kv, checkpoint)
     config = model.config

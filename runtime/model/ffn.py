@@ -195,10 +195,14 @@ class MoE:
         costs its dispatch, not its arithmetic): every expert on every token in two GEMMs,
         the unchosen ones weighted 0. Else the (token, expert) pairs are sorted by expert
         (one host sync for the counts) and each expert runs its rows."""
+        if x.shape[0] == 0:  # a rank's empty chunk of a short prompt
+            return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         ids, weights = self.route(x)
         t, k = ids.shape
         if self.down_all is not None and t * self.per_token_all <= DENSE_LIMIT:
-            up = F.linear(x, self.w_up.view(-1, x.shape[1])).view(t, len(self.experts), -1)
+            up = F.linear(x, self.w_up.view(-1, x.shape[1])).view(
+                t, len(self.experts), self.w_up.shape[1]
+            )
             hidden = self.experts[0].activate(up)  # [T, X, F]
             dense = torch.zeros(t, len(self.experts), dtype=weights.dtype, device=x.device)
             dense.scatter_(1, ids, weights)

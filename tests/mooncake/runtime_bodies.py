@@ -74,7 +74,7 @@ def serve_cli(
     done (``argv`` must then log progress: no ``--quiet``, ``--log-every 1``); the result
     gets ``killed_at`` (the request count at the kill, None if it never happened).
     """
-    from runtime.serve import main
+    from runtime.serve.main import main
 
     torch.set_num_threads(1)
     handler = None
@@ -102,8 +102,8 @@ def _rank_serve(mesh: Any, argv: list[str]) -> dict[str, Any]:
     from mesh_hicache.testing import internals
     from mesh_hicache.topology import MeshTopology
     from runtime.engine import Engine
-    from runtime.serve import build_model, workload
-    from runtime.serve_flags import build_parser, cache_config
+    from runtime.serve.flags import build_parser, cache_config
+    from runtime.serve.main import build_model, workload
 
     topology = MeshTopology.from_mesh(mesh)
     args = build_parser().parse_args(argv)

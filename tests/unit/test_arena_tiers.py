@@ -22,7 +22,7 @@ from mesh_hicache.storage.file import FileStorage
 from mesh_hicache.storage.keys import tensor_bytes
 from mesh_hicache.testing import internals
 from mesh_hicache.tiers import CacheFull, EvictHooks, TierAllocator
-from runtime import serve as serve_cli
+from runtime.serve import main as serve_cli
 from tests.unit.cache_support import PS, make_spec, serve
 from tests.unit.test_misconfig import TINY
 

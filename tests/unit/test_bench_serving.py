@@ -16,8 +16,8 @@ import bench_load_report  # noqa: E402
 import bench_serving  # noqa: E402
 
 from runtime.engine import RequestResult  # noqa: E402
-from runtime.serve import percentile  # noqa: E402
-from runtime.workloads import Turn  # noqa: E402
+from runtime.serve.main import percentile  # noqa: E402
+from runtime.workloads.generate import Turn  # noqa: E402
 
 
 def _result(request_id: int, turn: int, ttft: float, out: list[int]) -> RequestResult:

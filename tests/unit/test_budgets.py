@@ -19,7 +19,7 @@ from runtime.budgets import (
     check_budgets,
     size_from_machine,
 )
-from runtime.serve_flags import build_parser
+from runtime.serve.flags import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30

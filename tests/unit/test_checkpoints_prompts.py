@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.prompts import load_prompts
+from runtime.serve.prompts import load_prompts
 
 
 class _WordTokenizer:
@@ -112,7 +112,7 @@ def test_bools_and_deep_nesting_name_the_line(tmp_path: Path, line: object, mess
 
 
 def test_a_huge_line_is_refused_without_reading_it_whole(tmp_path: Path, monkeypatch) -> None:
-    import runtime.prompts as prompts
+    import runtime.serve.prompts as prompts
 
     monkeypatch.setattr(prompts, "MAX_LINE_BYTES", 1000)
     path = tmp_path / "p.jsonl"

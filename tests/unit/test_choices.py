@@ -16,7 +16,7 @@ from mesh_hicache.choices import (
 )
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.layout import StateLayout
-from runtime.serve_flags import build_parser, cache_config
+from runtime.serve.flags import build_parser, cache_config
 
 
 def test_members_behave_like_their_strings():

@@ -13,7 +13,7 @@ from mesh_hicache.testing import internals
 from runtime.engine import Engine
 from runtime.model import HybridModel
 from runtime.model.config import preset
-from runtime.workloads import Turn
+from runtime.workloads.generate import Turn
 from tests.engine_cases import ATOL, PAGE, resume_scenarios
 
 

@@ -1,19 +1,21 @@
-"""The library's imports go one way: no two modules of ``mesh_hicache`` import each
-other (also not under ``TYPE_CHECKING`` or inside a function), and no module of it
-imports the bundled runtime."""
+"""Imports go one way: no two modules of ``mesh_hicache``, nor two of the bundled
+``runtime``, import each other (also not under ``TYPE_CHECKING`` or inside a function),
+and no module of the library imports the runtime."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "mesh_hicache"
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: str = "mesh_hicache") -> dict[str, Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
@@ -32,11 +34,14 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def test_no_two_library_modules_import_each_other() -> None:
-    modules = _modules()
+@pytest.mark.parametrize(
+    ("package", "known"), [("mesh_hicache", "radix.eviction"), ("runtime", "server.main")]
+)
+def test_no_two_modules_import_each_other(package: str, known: str) -> None:
+    modules = _modules(package)
     packages = {name for name, path in modules.items() if path.name == "__init__.py"}
     graph = {name: _imports(path, modules) & modules.keys() for name, path in modules.items()}
-    assert "mesh_hicache.radix.eviction" in graph  # the walk found the package
+    assert f"{package}.{known}" in graph  # the walk found the package
     pairs = sorted(
         (a, b)
         for a, deps in graph.items()

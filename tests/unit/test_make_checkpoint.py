@@ -15,7 +15,7 @@ tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test ex
 
 from runtime import make_checkpoint as mc  # noqa: E402
 from runtime.checkpoints import load_checkpoint  # noqa: E402
-from runtime.server_text import TextCodec  # noqa: E402
+from runtime.server.text import TextCodec  # noqa: E402
 from tests.serve_cases import ROOT, run_serve  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def test_the_checkpoint_loads_as_a_supported_architecture(checkpoint) -> None:
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["architectures"] == ["GraniteMoeHybridForCausalLM"]
     ckpt = load_checkpoint(checkpoint)
-    assert ckpt.config.vocab_size == mc.VOCAB and ckpt.eos_token_id == 257
+    assert ckpt.config.vocab_size == mc.VOCAB and ckpt.eos_token_ids == (257,)
     assert ckpt.tokenizer_path == checkpoint / "tokenizer.json"
     # transformers reads the same directory (weights, tokenizer, template).
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -56,7 +56,7 @@ def test_byte_level_tokenizer_round_trips_any_text(checkpoint) -> None:
 
 
 def test_chat_template_matches_transformers(checkpoint) -> None:
-    codec = TextCodec.from_checkpoint_dir(checkpoint, mc.VOCAB, 257)
+    codec = TextCodec.from_checkpoint_dir(checkpoint, mc.VOCAB, (257,))
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     hf = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
     expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

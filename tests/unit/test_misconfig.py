@@ -17,9 +17,11 @@ import pytest
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.storage.file import FileStorage
-from runtime import serve, serve_flags, startup_checks
-from runtime.startup_checks import fit_warnings
-from runtime.workloads import Turn
+from runtime.serve import checks as startup_checks
+from runtime.serve import flags as serve_flags
+from runtime.serve import main as serve
+from runtime.serve.checks import fit_warnings
+from runtime.workloads.generate import Turn
 
 TINY = ["--model", "tiny", "--sessions", "2", "--turns", "2", "--max-new-tokens", "2"]
 TINY += ["--first-prompt-len", "40", "--append-len", "8", "--threads", "1"]

@@ -1,4 +1,4 @@
-"""runtime.profiles: bytes per page/state and FLOPs per token; scripts/bench_hitrate.py."""
+"""runtime.workloads.profiles: bytes per page/state and FLOPs per token (bench_hitrate)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from runtime.profiles import ModelProfile, profile
-from runtime.profiles_hf import from_hf_config, load_hf_config
-from runtime.traces import make_trace, trace_shape, write_jsonl
+from runtime.workloads.profiles import ModelProfile, profile
+from runtime.workloads.profiles_hf import from_hf_config, load_hf_config
+from runtime.workloads.traces import make_trace, trace_shape, write_jsonl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 

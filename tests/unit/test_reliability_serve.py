@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-import runtime.serve as serve
+import runtime.serve.main as serve
 from mesh_hicache.storage import FileStorage
 from mesh_hicache.storage.keys import KEY_PATTERN, PLAIN_CODEC, ObjectCodec
 from tests.serve_cases import SMALL, run_serve

@@ -1,4 +1,5 @@
-"""runtime.replay agrees with the real engine request by request; byte budgets -> pools."""
+"""runtime.workloads.replay agrees with the real engine request by request; byte budgets
+-> pools."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from mesh_hicache.topology import MeshTopology
 from runtime.engine import Engine
 from runtime.model import HybridModel
 from runtime.model.config import preset
-from runtime.profiles import profile
-from runtime.replay import (
+from runtime.workloads.profiles import profile
+from runtime.workloads.replay import (
     Replayer,
     arena_spec,
     budget_config,
@@ -25,7 +26,7 @@ from runtime.replay import (
     share_split,
     tiny_spec,
 )
-from runtime.traces import TraceRequest, make_trace, trace_shape
+from runtime.workloads.traces import TraceRequest, make_trace, trace_shape
 
 PAGE = 16
 

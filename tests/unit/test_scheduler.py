@@ -17,7 +17,7 @@ from runtime.engine import Engine
 from runtime.model import HybridModel
 from runtime.model.config import preset
 from runtime.scheduler import Scheduler, SchedulerConfig
-from runtime.workloads import Turn
+from runtime.workloads.generate import Turn
 from tests.engine_cases import PAGE, batched_vs_sequential
 
 

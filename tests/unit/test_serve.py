@@ -11,10 +11,10 @@ import types
 
 import pytest
 
-from runtime import serve
 from runtime.engine import Engine
 from runtime.model.config import PRESETS
-from runtime.workloads import Turn, with_arrivals
+from runtime.serve import main as serve
+from runtime.workloads.generate import Turn, with_arrivals
 from tests.serve_cases import ROOT, run_serve
 
 

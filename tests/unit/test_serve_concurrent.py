@@ -12,7 +12,7 @@ import json
 import pytest
 
 from mesh_hicache.cache import HiCache
-from runtime import serve
+from runtime.serve import main as serve
 from tests.engine_cases import ATOL
 
 # Small L1 (16 pages of 16 tokens) and L2 (32 pages): the second half of the trace finds

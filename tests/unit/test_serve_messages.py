@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from runtime import serve
-from runtime.serve_flags import build_parser
+from runtime.serve import main as serve
+from runtime.serve.flags import build_parser
 from tests.serve_cases import run_serve
 
 
@@ -81,7 +81,7 @@ def test_size_flag_error_exits_2_with_one_line(capsys) -> None:
 
 def _parsers():
     yield "runtime.serve", build_parser()
-    server = pytest.importorskip("runtime.server", reason="needs aiohttp (server extra)")
+    server = pytest.importorskip("runtime.server.flags", reason="needs aiohttp (server extra)")
     yield "runtime.server", server.build_parser()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.prompts import load_prompts
+from runtime.serve.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = list(range(1, 66))  # 65 tokens: the cache matches 64 = 4 pages of 16

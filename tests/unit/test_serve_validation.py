@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import runtime.serve as serve
+import runtime.serve.main as serve
 from runtime.launch import SECRET_FILE_ENV
 
 

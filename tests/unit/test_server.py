@@ -28,10 +28,10 @@ pytest.importorskip("prometheus_client", reason="needs prometheus-client (test e
 tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test extra)")
 pytest.importorskip("transformers", reason="needs transformers (test extra)")
 
-from runtime import serve  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.make_checkpoint import make_checkpoint  # noqa: E402
-from runtime.server import Server, build_parser, run_http  # noqa: E402
+from runtime.serve import main as serve  # noqa: E402
+from runtime.server.main import Server, build_parser, run_http  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 

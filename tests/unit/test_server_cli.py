@@ -25,8 +25,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="needs the openai client (test extra)")
 pytest.importorskip("aiohttp", reason="needs aiohttp (server extra)")
 
-from runtime import serve  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
+from runtime.serve import main as serve  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
@@ -241,7 +241,7 @@ def test_unusable_storage_root_is_an_error_before_listening(tmp_path: Path) -> N
 
 
 def test_help_names_the_http_flags_with_defaults_and_hides_trace_flags() -> None:
-    from runtime.server import build_parser
+    from runtime.server.main import build_parser
 
     parser = build_parser()
     text = parser.format_help()

@@ -1,4 +1,4 @@
-"""``runtime.server_stop`` and ``runtime.server_params`` without a server: where an answer
+"""``runtime.server.stop`` and ``runtime.server.params`` without a server: where an answer
 ends, which text may be streamed, and which request fields are refused."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.server_params import ParamError, RequestParams, StopSpec, unsupported_names
-from runtime.server_stop import AnswerText, answer_of
+from runtime.server.params import ParamError, RequestParams, StopSpec, unsupported_names
+from runtime.server.stop import AnswerText, answer_of
 
 
 class CharCodec:

@@ -43,7 +43,7 @@ from mesh_hicache.config import HiCacheConfig  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.model import HybridModel  # noqa: E402
 from runtime.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from runtime.workloads import Turn  # noqa: E402
+from runtime.workloads.generate import Turn  # noqa: E402
 from tests.split_cases import FAMILIES, PAGE, build_family, count_kth_ties  # noqa: E402
 
 ATOL = 1e-4

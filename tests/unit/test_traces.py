@@ -1,4 +1,4 @@
-"""runtime.traces: seeded, shaped as documented, JSONL round trip; scripts/make_trace.py.
+"""runtime.workloads.traces: seeded, shaped as documented, JSONL round trip; scripts/make_trace.py.
 Arrival times: Turn.arrival_s / think_s, workloads.with_arrivals, --prompts and trace files."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from runtime.prompts import load_prompts
-from runtime.traces import TraceRequest, make_trace, read_jsonl, trace_shape, write_jsonl
-from runtime.workloads import Turn, make_workload, with_arrivals
+from runtime.serve.prompts import load_prompts
+from runtime.workloads.generate import Turn, make_workload, with_arrivals
+from runtime.workloads.traces import TraceRequest, make_trace, read_jsonl, trace_shape, write_jsonl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 

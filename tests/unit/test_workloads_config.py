@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mesh_hicache.config import HiCacheConfig
-from runtime.workloads import make_workload
+from runtime.workloads.generate import make_workload
 
 
 def test_multiturn_is_deterministic_and_interleaved():

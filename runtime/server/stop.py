@@ -14,8 +14,8 @@ decide what to send. Both see the same tokens, so both stop at the same one.
 
 from __future__ import annotations
 
-from runtime.server_params import StopSpec
-from runtime.server_text import TextCodec
+from runtime.server.params import StopSpec
+from runtime.server.text import TextCodec
 
 
 class AnswerText:

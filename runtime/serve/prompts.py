@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh_hicache.config import TENANT_SEPARATOR
-from runtime.workloads import Turn, check_seconds
+from runtime.workloads.generate import Turn, check_seconds
 
 MAX_LINE_BYTES = 32 << 20
 """The longest line of a prompts file (about 4 million token ids)."""

@@ -5,7 +5,7 @@ Every rank owns a :class:`BatchRun` (a scheduler opened for online requests) and
 the same loop; one iteration is:
 
 1. rank 0 decides what changes before the step: the jobs that join (taken from the
-   :class:`~runtime.server_worker.RequestQueue`, at most ``max_running`` in flight) and
+   :class:`~runtime.server.worker.RequestQueue`, at most ``max_running`` in flight) and
    the running or waiting jobs to abort (their client went away);
 2. one int32 broadcast of rank 0's flag (nothing new / news / stop), and only with news
    one ``broadcast_object_list`` of ``(new jobs, aborted keys)``; every rank applies them
@@ -36,8 +36,8 @@ import torch.distributed as dist
 from runtime.engine import Engine
 from runtime.request_run import RequestResult, RequestRun, TokenHook
 from runtime.scheduler import OnlineRequest, Scheduler, SchedulerConfig
-from runtime.server_params import StopSpec
-from runtime.server_worker import (
+from runtime.server.params import StopSpec
+from runtime.server.worker import (
     Job,
     JobOutcome,
     RequestQueue,

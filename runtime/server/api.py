@@ -1,6 +1,6 @@
 """The OpenAI-shaped parts of ``runtime.server``: the response bodies (whole and
-streamed) and the ``/metrics`` text. (Request fields: ``runtime.server_params``; error
-bodies: ``runtime.server_guard``.)
+streamed) and the ``/metrics`` text. (Request fields: ``runtime.server.params``; error
+bodies: ``runtime.server.guard``.)
 
 Every choice carries ``token_ids``, the answer's token ids (for a model without a
 tokenizer, the answer itself: its ``text`` is "")."""
@@ -11,25 +11,24 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-from runtime.server_guard import error_response
-from runtime.server_stop import AnswerText
-from runtime.server_worker import JobOutcome
+from mesh_hicache.cache import HiCache
+from mesh_hicache.topology import MeshTopology
+from runtime.server.guard import error_response
+from runtime.server.stop import AnswerText
+from runtime.server.worker import JobOutcome, ServerCounters
 
 __all__ = ["Reply", "error_response", "prometheus_text", "send_event"]
-
-if TYPE_CHECKING:
-    from runtime.server import Server
 
 
 class Reply:
     """Builds the OpenAI-shaped bodies of one request."""
 
-    def __init__(self, server: Server, chat: bool, prompt_tokens: int) -> None:
-        self.server = server
+    def __init__(self, model_name: str, chat: bool, prompt_tokens: int) -> None:
+        self.model_name = model_name
         self.chat = chat
         self.prompt_tokens = prompt_tokens
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -38,7 +37,7 @@ class Reply:
 
     def _head(self, streamed: bool) -> dict[str, Any]:
         kind = self.object + (".chunk" if streamed and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.server.name}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
 
     def usage(self, output: list[int], outcome: JobOutcome) -> dict[str, Any]:
         return {
@@ -86,20 +85,20 @@ async def send_event(response: web.StreamResponse, payload: dict[str, Any]) -> N
     await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
-def prometheus_text(server: Server) -> bytes:
-    """The ``/metrics`` body: the cache's exporter and the server's counters."""
+def prometheus_text(
+    cache: HiCache | None, topology: MeshTopology, counters: ServerCounters, queued: int
+) -> bytes:
+    """The ``/metrics`` body: the cache's exporter (``cache``'s stats labelled with the
+    ``topology``) and the server's ``counters`` with the ``queued`` count."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     from mesh_hicache.metrics import CacheStatsCollector, topology_labels
 
     registry = CollectorRegistry()
-    if server.cache is not None:
-        registry.register(
-            CacheStatsCollector(server.cache.stats, labels=topology_labels(server.topology))
-        )
-    counts = server.counters.as_dict()
-    queued = len(server.queue)
+    if cache is not None:
+        registry.register(CacheStatsCollector(cache.stats, labels=topology_labels(topology)))
+    counts = counters.as_dict()
 
     class _ServerCollector:
         def collect(self) -> Iterator[Any]:

@@ -31,7 +31,7 @@ from mesh_hicache.pools.arena import ArenaPlan
 from mesh_hicache.radix.eviction import EvictionPolicy
 from mesh_hicache.spec import KVSpec, MambaSpec, StateSpec
 from mesh_hicache.topology import MeshTopology
-from runtime.profiles import ModelProfile
+from runtime.workloads.profiles import ModelProfile
 
 TIERS = ("device", "host", "storage")
 

@@ -4,7 +4,7 @@ A ``ModelProfile`` is the size of a model as the cache sees it, without weights:
 many bytes one cached token and one recurrent-state checkpoint take, and how much
 compute a cache hit saves. ``PROFILES["hybrid-7b"]`` is the 7B Attention-Mamba2 hybrid
 the cache policy benchmarks model (4 attention layers, 24 Mamba-2 layers, 28 MLP layers,
-d = 4096, SSM state 128, fp16). ``runtime.profiles_hf.from_hf_config`` builds one from a
+d = 4096, SSM state 128, fp16). ``runtime.workloads.profiles_hf.from_hf_config`` builds one from a
 Hugging Face ``config.json``.
 
 Bytes (``dtype_bytes`` per element; ``state_dtype_bytes`` for the recurrent state):

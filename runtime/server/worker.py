@@ -4,7 +4,7 @@ the engine thread that serves one request at a time.
 The HTTP loop never touches the model or the cache. It puts a :class:`Job` on a
 :class:`RequestQueue` and awaits the job's events; one engine thread on rank 0 takes
 jobs in queue order: :class:`EngineWorker` (here) runs each through ``Engine.serve``, one
-at a time; ``runtime.server_batch.BatchWorker`` (``--concurrency N > 1``) serves up to N
+at a time; ``runtime.server.batch.BatchWorker`` (``--concurrency N > 1``) serves up to N
 in one running batch. The queue is an interface (``put`` / ``get`` / ``__len__``).
 
 On a mesh, every rank must run the identical sequence of requests (the model and the
@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from runtime.engine import Engine
 from runtime.request_run import RequestResult, TokenHook
-from runtime.server_params import StopSpec
-from runtime.startup_checks import pages_needed, too_long_for_l1
+from runtime.serve.checks import pages_needed, too_long_for_l1
+from runtime.server.params import StopSpec
 
 log = logging.getLogger("runtime.server")
 

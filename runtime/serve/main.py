@@ -34,7 +34,6 @@ from runtime.launch import (
     LaunchError,
     exit_process,
     init_mesh,
-    interruptible,
     mesh_failure,
     quiet_parser,
     speaks,
@@ -42,15 +41,7 @@ from runtime.launch import (
 from runtime.mesh_config import work_config
 from runtime.model import HybridModel
 from runtime.model.config import DTYPES
-from runtime.prompts import load_prompts, load_tokenizer
-from runtime.serve_flags import (
-    build_parser,
-    cache_config,
-    check_load_flags,
-    check_run_flags,
-    check_size_flags,
-)
-from runtime.startup_checks import (
+from runtime.serve.checks import (
     ProgressBar,
     StorageWatch,
     check_storage_start,
@@ -60,7 +51,15 @@ from runtime.startup_checks import (
     storage_requested,
     too_long_for_l1,
 )
-from runtime.workloads import Turn, make_workload, with_arrivals
+from runtime.serve.flags import (
+    build_parser,
+    cache_config,
+    check_load_flags,
+    check_run_flags,
+    check_size_flags,
+)
+from runtime.serve.prompts import load_prompts, load_tokenizer
+from runtime.workloads.generate import Turn, make_workload, with_arrivals
 
 
 def _hash_progress(line: str) -> None:
@@ -416,7 +415,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if owns_group:
         dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    exit_process(interruptible(main, "runtime.serve"))

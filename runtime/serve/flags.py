@@ -14,8 +14,8 @@ from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.storage.base import load_secret
 from runtime.launch import add_mesh_args, check_collective_timeout, env_storage_secret_file
 from runtime.model.config import DTYPES, PRESETS
-from runtime.startup_checks import default_storage_root
-from runtime.workloads import WORKLOADS
+from runtime.serve.checks import default_storage_root
+from runtime.workloads.generate import WORKLOADS
 
 DESCRIPTION = (
     "Serve a workload or a prompts file with a hybrid model (preset or HF checkpoint) on HiCache."
@@ -45,7 +45,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompts",
         metavar="FILE.jsonl",
-        help="serve these requests instead of --workload (see runtime/prompts.py)",
+        help="serve these requests instead of --workload (see runtime/serve/prompts.py)",
     )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations"
@@ -320,7 +320,8 @@ def check_size_flags(args: argparse.Namespace) -> None:
     before the model and cache configs would reject them in their own words."""
     if args.page_size < 1:
         raise ValueError(f"--page-size must be >= 1 (tokens per page), got {args.page_size}")
-    if args.cache != "off" and not args.device_bytes and args.device_pages < 1:
+    pages = args.device_pages  # None: sized from the machine
+    if args.cache != "off" and not args.device_bytes and pages is not None and pages < 1:
         raise ValueError(
             f"--device-pages must be >= 1 (L1 pages per rank), got {args.device_pages}; "
             "or give an L1 byte budget with --device-bytes"

@@ -17,19 +17,19 @@ token, at a ``stop_token_ids`` token or where its text contains a ``stop`` strin
 text is cut before it; streamed text that could start one is held back until it cannot):
 ``finish_reason: "stop"``; the engine stops decoding there, on every rank. A field this
 server does not implement (``logprobs``, ``tools``, ``temperature`` other than 0, ``n``
-other than 1...: ``runtime/server_params.py``) is a 400 naming it. ``usage`` reports
+other than 1...: ``runtime/server/params.py``) is a 400 naming it. ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served. Every
 choice carries the answer's ``token_ids``. Text in and out needs the checkpoint's
-``tokenizer.json``; chat uses its chat template (see ``runtime/server_text.py``, also
+``tokenizer.json``; chat uses its chat template (see ``runtime/server/text.py``, also
 for the presets, which take and return token ids). Access control, limits and the
-SIGTERM drain: ``runtime/server_guard.py`` and ``docs/server_security.md``.
+SIGTERM drain: ``runtime/server/guard.py`` and ``docs/server_security.md``.
 
 Concurrent requests are served in one running batch (``--concurrency N``, default 8):
-one engine thread (``runtime/server_batch.py``) takes jobs from the queue in arrival
+one engine thread (``runtime/server/batch.py``) takes jobs from the queue in arrival
 order while fewer than N are in flight and runs ``runtime.scheduler.Scheduler``'s steps
 over them (chunked prefill under ``--token-budget`` beside one batched decode of every
 running request), streaming each request's tokens as they come. ``--concurrency 1``
-serves one request at a time (``runtime/server_worker.py``). The HTTP loop stays
+serves one request at a time (``runtime/server/worker.py``). The HTTP loop stays
 responsive meanwhile. On a mesh, rank 0 serves HTTP and decides, once per step, which
 jobs join and which are aborted; it broadcasts that, so every rank runs the same steps.
 A client that disconnects has its request dropped from the queue or aborted at the next
@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 from aiohttp import web
 
-import runtime.serve as serve
+import runtime.serve.main as serve
 from mesh_hicache.cache import HiCache
 from mesh_hicache.topology import MeshTopology
 from runtime.budgets import apply_budgets, budget_line
@@ -60,7 +60,6 @@ from runtime.launch import (
     env_api_key,
     exit_process,
     init_mesh,
-    interruptible,
     launch_rank,
     mesh_failure,
     quiet_parser,
@@ -68,9 +67,10 @@ from runtime.launch import (
 )
 from runtime.mesh_config import work_config
 from runtime.scheduler import SchedulerConfig
-from runtime.server_api import Reply, prometheus_text, send_event
-from runtime.server_batch import BatchWorker, follow_batched
-from runtime.server_flags import (
+from runtime.serve.checks import check_storage_start, label_rank_logs, storage_requested
+from runtime.server.api import Reply, prometheus_text, send_event
+from runtime.server.batch import BatchWorker, follow_batched
+from runtime.server.flags import (
     PortBusy,
     bind_message,
     build_parser,
@@ -80,11 +80,11 @@ from runtime.server_flags import (
     prompt_limits,
     served_name,
 )
-from runtime.server_guard import BodyError, Guard, error_response, read_json
-from runtime.server_params import ParamError, RequestParams, StopSpec
-from runtime.server_stop import AnswerText, answer_of
-from runtime.server_text import TextCodec
-from runtime.server_worker import (
+from runtime.server.guard import BodyError, Guard, error_response, read_json
+from runtime.server.params import ParamError, RequestParams, StopSpec
+from runtime.server.stop import AnswerText, answer_of
+from runtime.server.text import TextCodec
+from runtime.server.worker import (
     EngineWorker,
     FifoQueue,
     Job,
@@ -92,7 +92,6 @@ from runtime.server_worker import (
     ServerCounters,
     follow,
 )
-from runtime.startup_checks import check_storage_start, label_rank_logs, storage_requested
 
 log = logging.getLogger("runtime.server")
 
@@ -230,7 +229,8 @@ class Server:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(
-            body=prometheus_text(self), headers={"Content-Type": "text/plain; version=0.0.4"}
+            body=prometheus_text(self.cache, self.topology, self.counters, len(self.queue)),
+            headers={"Content-Type": "text/plain; version=0.0.4"},
         )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -283,7 +283,7 @@ class Server:
         self.jobs.add(job)
         try:
             self.queue.put(job)
-            reply = Reply(self, chat, len(prompt))
+            reply = Reply(self.name, chat, len(prompt))
             if params.stream:
                 return await self._stream(request, job, reply, params.include_usage)
             try:
@@ -493,7 +493,3 @@ def _lead(server: Server) -> int:
         flush=True,
     )
     return 3 if failed else 0
-
-
-if __name__ == "__main__":
-    exit_process(interruptible(main, "runtime.server"))

@@ -10,11 +10,11 @@ import json
 import socket
 from pathlib import Path
 
-import runtime.serve as serve
+import runtime.serve.main as serve
 from runtime.launch import API_KEY_ENV
-from runtime.serve_flags import HelpFormatter
-from runtime.server_guard import DEFAULT_MAX_BODY_BYTES
-from runtime.server_params import PromptLimits
+from runtime.serve.flags import HelpFormatter
+from runtime.server.guard import DEFAULT_MAX_BODY_BYTES
+from runtime.server.params import PromptLimits
 
 # serve.py's flags that pick a workload or write a report: meaningless for a server.
 _TRACE_ONLY = (

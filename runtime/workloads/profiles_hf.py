@@ -1,4 +1,4 @@
-"""Model profiles from Hugging Face configs (``runtime.profiles.ModelProfile``).
+"""Model profiles from Hugging Face configs (``runtime.workloads.profiles.ModelProfile``).
 
 ``from_hf_config`` reads a Hugging Face ``config.json`` of one of the
 families the runtime serves (``runtime.checkpoints``), chosen by ``model_type`` /
@@ -12,7 +12,7 @@ families the runtime serves (``runtime.checkpoints``), chosen by ``model_type`` 
 - **MLA** (``deepseek_v3``, ``deepseek_v32``): every layer MLA, V3.2 with the lightning
   indexer; the first ``first_k_dense_replace`` (or ``mlp_layer_types``) dense, then MoE.
 
-The byte and FLOP accounting is ``runtime.profiles``'s.
+The byte and FLOP accounting is ``runtime.workloads.profiles``'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.profiles import DTYPE_BYTES, ModelProfile
+from runtime.workloads.profiles import DTYPE_BYTES, ModelProfile
 
 MAMBA2_TYPES = {
     "nemotron_h": "NemotronHForCausalLM",

@@ -44,7 +44,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 
-from runtime.workloads import check_seconds
+from runtime.workloads.generate import check_seconds
 
 Respond = Callable[[tuple[int, ...], int], Sequence[int]]
 """``respond(input_tokens, num_output)``: the reply to a prompt, exactly ``num_output`` ids."""

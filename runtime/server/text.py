@@ -1,8 +1,8 @@
 """Text in, text out for ``runtime.server``: prompts, chat templates, decoding (streamed
-with stop strings: ``runtime.server_stop``).
+with stop strings: ``runtime.server.stop``).
 
 A checkpoint with ``tokenizer.json`` takes and returns text (the ``tokenizers``
-package, loaded the way ``runtime.prompts`` loads it). Chat requests are rendered with
+package, loaded the way ``runtime.serve.prompts`` loads it). Chat requests are rendered with
 the checkpoint's chat template (``tokenizer_config.json`` ``chat_template``, a Jinja
 template rendered in a sandbox with ``messages``, ``add_generation_prompt=True``,
 ``bos_token`` and ``eos_token``, as transformers does); without one, with the plain
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.prompts import load_tokenizer
+from runtime.serve.prompts import load_tokenizer
 
 PLAIN_CHAT_FALLBACK = "plain"
 """The name of the fallback chat format (``role: content`` lines)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 from mesh_hicache.topology import MeshTopology
-from runtime.workloads import Turn
+from runtime.workloads.generate import Turn
 
 STORAGE_FLAGS = ("--storage", "--storage-root", "--mooncake-master")
 

@@ -1,0 +1,1 @@
+"""The ``runtime.serve`` command: flags, start-up checks, prompts files, the run."""

@@ -1,0 +1,1 @@
+"""``runtime.server``: the OpenAI-compatible HTTP server over the engine."""
