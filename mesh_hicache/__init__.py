@@ -1,6 +1,13 @@
 """mesh_hicache: a hierarchical prefix cache for hybrid models on a pp x cp x tp DeviceMesh."""
 
-from mesh_hicache.cache import CachedRequest, CacheFull, HiCache, PrefixHit, ServedTokens
+from mesh_hicache.cache import (
+    CachedRequest,
+    CacheFull,
+    ConcurrentUse,
+    HiCache,
+    PrefixHit,
+    ServedTokens,
+)
 from mesh_hicache.choices import (
     CpKvMode,
     PrefetchPolicy,
@@ -20,6 +27,7 @@ __all__ = [
     "CacheFull",
     "CacheStats",
     "CachedRequest",
+    "ConcurrentUse",
     "Consensus",
     "CpKvMode",
     "Family",

@@ -28,6 +28,13 @@ so it gives the same answer on every rank: all ranks raise together and none is 
 alone in a collective. ``match`` never leaves a lock behind when it raises, and
 ``check_integrity`` fails on a protection that no open request or backup holds.
 
+Threads: a ``HiCache`` is not thread-safe. Calls from several threads one at a time are
+fine (a server's engine thread after its main thread built the cache); a call that
+arrives while another thread is inside the cache raises :class:`ConcurrentUse` before
+anything changes, naming both calls. Serialize with your own lock if several threads
+drive one cache. ``stats()`` and the request's read-only properties may be called from
+any thread at any time (a metrics exporter does).
+
 The facade validates and converts what callers pass, and talks to the controller only;
 the tiers, the tree and the lock protocol live below it (``mesh_hicache/tiers/``). Tests
 that must look further in use :func:`mesh_hicache.testing.internals`.
@@ -35,7 +42,10 @@ that must look further in use :func:`mesh_hicache.testing.internals`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 from mesh_hicache.config import TENANT_SEPARATOR, HiCacheConfig
 from mesh_hicache.controller import (
@@ -161,12 +171,69 @@ def _lease_of(req: CachedRequest) -> RequestLease:
     return req._lease
 
 
+class ConcurrentUse(RuntimeError):
+    """A second thread called into a ``HiCache`` while another was inside it."""
+
+
+class _Entry:
+    """Who is inside the cache now: one thread at a time (re-entry by it is allowed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._call = ""
+
+    def enter(self, call: str) -> bool:
+        """True when this call entered (False: the owner re-entered); ConcurrentUse when
+        another thread is inside."""
+        me = threading.get_ident()
+        if self._owner == me:
+            return False
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUse(
+                f"HiCache.{call} was called from thread {me} while thread {self._owner} is "
+                f"inside HiCache.{self._call}: a HiCache is not thread-safe; call it from "
+                "one thread at a time (serialize with your own lock)"
+            )
+        self._owner, self._call = me, call
+        return True
+
+    def leave(self) -> None:
+        self._owner, self._call = None, ""
+        self._lock.release()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _exclusive(
+    method: Callable[Concatenate[HiCache, _P], _R],
+) -> Callable[Concatenate[HiCache, _P], _R]:
+    """Run ``method`` with the cache entered (:class:`ConcurrentUse` for a second thread)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: HiCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        entered = self._entry.enter(name)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if entered:
+                self._entry.leave()
+
+    return wrapper
+
+
 class HiCache:
-    """A hierarchical prefix cache for one rank of a mesh. Construction is collective."""
+    """A hierarchical prefix cache for one rank of a mesh. Construction is collective.
+    Not thread-safe: a second thread calling in while one is inside gets
+    :class:`ConcurrentUse` (module docstring)."""
 
     def __init__(self, topology: MeshTopology, spec: StateSpec, config: HiCacheConfig) -> None:
         self.config = config
         self.spec = spec
+        self._entry = _Entry()
         self._ctl = HiCacheController(topology, spec, config)
 
     @property
@@ -180,6 +247,7 @@ class HiCache:
 
     # -- per request ------------------------------------------------------------------------
 
+    @_exclusive
     def match(
         self, tokens: Sequence[int], namespace: str = "", *, tenant: str | None = None
     ) -> CachedRequest:
@@ -196,6 +264,7 @@ class HiCache:
         key = RadixKey(tokens, ns)  # validated once, in bulk (radix/hashing.py)
         return CachedRequest(self._ctl.match(key))
 
+    @_exclusive
     def load(self, req: CachedRequest) -> None:
         """Finish the L3 prefetch (its stop policy) and start host -> device loading.
 
@@ -206,6 +275,7 @@ class HiCache:
         """
         self._ctl.load(_lease_of(req))
 
+    @_exclusive
     def finish_load(self, req: CachedRequest) -> int:
         """Wait for the load, agree that it succeeded everywhere, return ``prefix_len``.
 
@@ -214,16 +284,19 @@ class HiCache:
         """
         return self._ctl.finish_load(_lease_of(req))
 
+    @_exclusive
     def alloc_pages(self, req: CachedRequest, n: int) -> list[int]:
         """``n`` device pages for ``req`` (evicting unlocked cache as needed). Collective;
         ``CacheFull`` on every rank when even eviction cannot make room. ``n``: an int
         >= 0 (``TypeError``/``ValueError`` otherwise; same answer on every rank)."""
         return self._ctl.alloc_pages(_lease_of(req), n)
 
+    @_exclusive
     def alloc_slot(self, req: CachedRequest) -> int:
         """A device Mamba slot for a checkpoint of ``req``. Collective; may raise CacheFull."""
         return self._ctl.alloc_slot(_lease_of(req))
 
+    @_exclusive
     def insert(
         self,
         req: CachedRequest,
@@ -254,6 +327,7 @@ class HiCache:
         key = RadixKey(tokens, req.key.namespace)
         return self._ctl.insert(_lease_of(req), key, pages, mamba_slot)
 
+    @_exclusive
     def release(self, req: CachedRequest) -> None:
         """Finish ``req`` (done or aborted): unlock, cancel what is in flight, free what it
         still owns. Collective. Idempotent; ``ValueError`` (nothing changed on either cache)
@@ -262,14 +336,17 @@ class HiCache:
 
     # -- background work, lifecycle ---------------------------------------------------------
 
+    @_exclusive
     def step(self) -> None:
         """Consume finished backups and storage writes (agreed). Collective."""
         self._ctl.step()
 
+    @_exclusive
     def flush(self) -> None:
         """Wait until every backup and storage write finished on every rank. Collective."""
         self._ctl.flush()
 
+    @_exclusive
     def close(self) -> None:
         """Release open requests, flush, stop the worker threads. Collective; idempotent."""
         self._ctl.close()
@@ -278,10 +355,12 @@ class HiCache:
         """A snapshot of this rank's counters (storage degraded flag included)."""
         return self._ctl.stats_snapshot()
 
+    @_exclusive
     def digest(self) -> str:
         """A hash of the tree and its tier state; equal on every rank (tests compare it)."""
         return self._ctl.digest()
 
+    @_exclusive
     def check_integrity(self) -> None:
         """Tree invariants and exact pool accounting; ``RuntimeError`` on a violation."""
         self._ctl.check_integrity()
