@@ -276,6 +276,18 @@ def assert_prefill_equals_transformers(
             torch.testing.assert_close(state.ssm[layer], ssm, atol=ATOL, rtol=0)
 
 
+def greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens of transformers model ``hf`` after ``prompt``: each the argmax
+    of a full forward over the sequence so far (no KV cache, so no release's cache
+    handling is involved; see :func:`assert_greedy_equals_generate`)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
 def assert_greedy_equals_generate(directory: Path) -> None:
     """Eight greedy tokens from the engine equal transformers' greedy decoding, each token
     the argmax of a full forward over the sequence so far. Not ``generate``: its cache
@@ -284,13 +296,7 @@ def assert_greedy_equals_generate(directory: Path) -> None:
     ckpt = load_checkpoint(directory)
     model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
     prompt = prompt_ids(21, seed=5)
-    hf = hf_model(directory)
-    ids = prompt[None]
-    with torch.no_grad():
-        for _ in range(8):
-            logits = hf(ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    want = ids[0, 21:].tolist()
+    want = greedy_reference(hf_model(directory), prompt.tolist(), 8)
     got = Engine(model, None, max_new_tokens=8).serve(prompt.tolist()).output_ids
     assert got == want
 

@@ -1,10 +1,11 @@
-"""``runtime.serve --model DIR --prompts P.jsonl`` equals transformers' greedy generate.
+"""``runtime.serve --model DIR --prompts P.jsonl`` equals transformers' greedy decoding.
 
 End to end on a tiny random checkpoint built by transformers (Granite 4.0-H-like MoE
 with one B/C group, tied embeddings, multipliers; Nemotron-H for the pipeline mesh) and
 a word-level ``tokenizer.json``: the outputs of every request (session turns included:
-history + answer + next line) are transformers' ``generate(do_sample=False)`` on the
-same prompts, on one rank and under torchrun (1x2x2 and 2x1x1); a second run on the
+history + answer + next line) are transformers' greedy tokens on the same prompts
+(``greedy_reference``: full forwards without a KV cache, as ``generate(do_sample=False)``
+chooses them), on one rank and under torchrun (1x2x2 and 2x1x1); a second run on the
 same storage root reads L3 and still matches, also under another mesh (a reshard). The
 dense attention decoders (Qwen3-MoE, Llama, Qwen2, Qwen3) run the same checks.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint_cases import build, hf_model
+from tests.checkpoint_cases import build, greedy_reference, hf_model
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test extra)")
 
@@ -62,16 +63,7 @@ def _expected(directory: Path, requests: list[dict]) -> list[list[int]]:
         ids = r["input_ids"] if "input_ids" in r else tok.encode(r["text"]).ids
         prompt = history.get(key, []) + list(ids)
         n = r.get("max_new_tokens", 5)
-        with torch.no_grad():
-            gen = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        answer = gen[0, len(prompt) :].tolist()
+        answer = greedy_reference(model, prompt, n)
         history[key] = prompt + answer
         out.append(answer)
     return out
