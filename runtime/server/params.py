@@ -181,6 +181,12 @@ def _ignore_eos(name: str, value: Any, params: RequestParams, ctx: _Context) -> 
     params.ignore_eos = value
 
 
+def _return_token_ids(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    """vLLM's extension; this server always returns ``choices[i].token_ids``."""
+    if value is not None and not isinstance(value, bool):
+        raise ParamError(name, f"'return_token_ids' must be a boolean, got {value!r}")
+
+
 def unsupported(*neutral: Any, why: str = "is not supported by this server") -> Handler:
     """The handler of a field this server does not implement: accepted only at one of
     its ``neutral`` values (None always), else a 400 naming it."""
@@ -220,6 +226,7 @@ PARAMETERS: dict[str, Handler] = {
     "stop": _stop,
     "stop_token_ids": _stop_token_ids,
     "ignore_eos": _ignore_eos,
+    "return_token_ids": _return_token_ids,
     "user": _metadata,
     "seed": _metadata,
     "n": unsupported(1, why="must be 1: one answer per request"),

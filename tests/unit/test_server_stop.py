@@ -133,6 +133,9 @@ def test_stop_fields() -> None:
     assert no_eos.stop_spec((7,)) == StopSpec((), frozenset({3}))
     with pytest.raises(ParamError, match="'ignore_eos' must be a boolean"):
         _parse({"prompt": [1], "ignore_eos": 1})
+    assert _parse({"prompt": [1], "return_token_ids": True}).max_tokens == 8
+    with pytest.raises(ParamError, match="'return_token_ids' must be a boolean"):
+        _parse({"prompt": [1], "return_token_ids": "yes"})
     assert _parse({"prompt": [1], "stop": "x"}).stop_strings == ("x",)
     for bad in ([1, 2], ["a"] * 5 + ["b", "c", "d", "e"], [""], 5):
         with pytest.raises(ParamError, match="'stop'"):
