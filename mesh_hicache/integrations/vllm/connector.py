@@ -19,7 +19,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -85,12 +84,9 @@ def vllm_topology() -> MeshTopology:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     tp, pp = get_tp_group(), get_pp_group()
-    if dist.get_world_size() != tp.world_size * pp.world_size:
-        raise ValueError(
-            f"MeshHiCacheConnector supports worlds of pp x tp ranks only; world "
-            f"{dist.get_world_size()} != pp {pp.world_size} x tp {tp.world_size}"
-        )
-    ranks = torch.arange(dist.get_world_size()).view(pp.world_size, tp.world_size)
+    # A pp-major x tp mesh of vLLM's own groups (DeviceMesh refuses a world of another
+    # size); the coordinates are then checked against vLLM's ranks in those groups.
+    ranks = torch.arange(pp.world_size * tp.world_size).view(pp.world_size, tp.world_size)
     mesh = DeviceMesh("cpu", ranks, mesh_dim_names=("pp", "tp"))
     topo = MeshTopology.from_mesh(mesh)
     if (topo.coord(MeshAxis.PP), topo.coord(MeshAxis.TP)) != (pp.rank_in_group, tp.rank_in_group):
