@@ -144,7 +144,7 @@ class Bench:
         self.logs = Path(tempfile.mkdtemp(prefix="bench_vllm_logs_"))
         self.starts = 0
         config = json.loads((Path(model) / "config.json").read_text())
-        self.block_bytes = servers.block_bytes(config, 128 if self.hybrid else 16)
+        self.block_bytes = servers.block_bytes(config, 128 if self.hybrid else servers.DENSE_BLOCK)
         self.blocks = args.device_bytes // self.block_bytes if args.device_bytes else 0
 
     # -- vLLM ----------------------------------------------------------------------------

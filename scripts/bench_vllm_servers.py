@@ -161,12 +161,18 @@ class VllmServer:
 
 def root_cause(lines: Sequence[str]) -> str:
     """The first exception line of a failed start (vLLM logs the engine core's error first,
-    then the API server's "see root cause above")."""
+    then the API server's "see root cause above"); warnings that merely mention an error
+    name are not one."""
     for line in lines:
+        if " WARNING " in line:
+            continue
         found = re.search(r"\b([A-Za-z_.]*(?:Error|Exception)): (.*)$", line)
         if found:
             return f"{found.group(1)}: {found.group(2).strip()}"
     return lines[-1].strip() if lines else "no output"
+
+
+DENSE_BLOCK = 32  # tokens per vLLM block for dense models (the CPU build: a multiple of 32)
 
 
 def block_bytes(config: Mapping[str, Any], block: int) -> int:
@@ -194,7 +200,9 @@ def vllm_argv(
 ) -> list[str]:
     """vLLM's flags for one mode. Hybrid (Mamba-2) models: block size 128 and 128 batched
     tokens, the only setting in which vLLM's CPU build runs them with prefix caching (it
-    must equal the checkpoint's ``mamba_chunk_size``, 128 here)."""
+    must equal the checkpoint's ``mamba_chunk_size``, 128 here). Dense models: block size 32
+    (the CPU build's own default is 128, which would make ``device_blocks`` four times the
+    bytes the block count was computed for)."""
     argv = [
         "--model",
         model,
@@ -216,6 +224,8 @@ def vllm_argv(
         argv += ["--num-gpu-blocks-override", str(device_blocks)]
     if hybrid:
         argv += ["--block-size", "128", "--max-num-batched-tokens", "128"]
+    else:
+        argv += ["--block-size", str(DENSE_BLOCK)]
     if kv_transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
     return argv
