@@ -69,6 +69,7 @@ class Consensus:
         self.timeout_s = timeout_s
         #: Number of collectives issued so far (tests compare it across ranks).
         self.num_calls = 0
+        self._held: torch.Tensor | None = None
         #: Operations opened with :meth:`enter` so far.
         self.num_entries = 0
         #: The operation the next agreements serve (named in errors; :meth:`during`).
@@ -174,6 +175,11 @@ class Consensus:
             dist.all_reduce(buf, op=op, group=self.group)
         except (RuntimeError, dist.DistError) as err:
             raise CollectiveTimeout(self._timeout_message(err)) from err
+        # Keep the buffer until the next agreement: gloo's worker thread drops its own
+        # reference to it just after the call returns, and if that drop were the last one
+        # it would need the GIL; in a process that is exiting that aborts (SIGABRT). Held
+        # here, the last reference is always dropped by this thread.
+        self._held = buf
         return [int(v) for v in buf.tolist()]
 
     def _where(self) -> str:
