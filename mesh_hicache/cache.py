@@ -45,9 +45,11 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
 
 from mesh_hicache.config import TENANT_SEPARATOR, HiCacheConfig
+from mesh_hicache.consensus import CollectiveTimeout, RanksDisagree
 from mesh_hicache.controller import (
     CacheFull,
     HiCacheController,
@@ -62,7 +64,11 @@ from mesh_hicache.stats import CacheStats
 from mesh_hicache.topology import MeshTopology
 
 __all__ = [
+    "CacheClosed",
     "CacheFull",
+    "CollectiveTimeout",
+    "ConcurrentUse",
+    "RanksDisagree",
     "CachedRequest",
     "HiCache",
     "PrefixHit",
@@ -175,6 +181,10 @@ class ConcurrentUse(RuntimeError):
     """A second thread called into a ``HiCache`` while another was inside it."""
 
 
+class CacheClosed(RuntimeError):
+    """A ``HiCache`` method (other than ``close`` and ``stats``) was called after ``close``."""
+
+
 class _Entry:
     """Who is inside the cache now: one thread at a time (re-entry by it is allowed)."""
 
@@ -203,6 +213,9 @@ class _Entry:
         self._lock.release()
 
 
+_LOCAL_CALLS = frozenset({"digest", "check_integrity"})
+"""Methods that issue no collective (every other public method is collective)."""
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -217,7 +230,16 @@ def _exclusive(
     def wrapper(self: HiCache, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         entered = self._entry.enter(name)
         try:
-            return method(self, *args, **kwargs)
+            if self._closed and name != "close":
+                raise CacheClosed(
+                    f"HiCache.{name} called after close(): the cache's threads are stopped "
+                    "and its storage is closed; build a new HiCache"
+                )
+            agree = self._ctl.agree
+            with agree.during(name):
+                if entered and name not in _LOCAL_CALLS and not self._closed:
+                    agree.enter(name)  # every rank is in this call, or all raise naming it
+                return method(self, *args, **kwargs)
         finally:
             if entered:
                 self._entry.leave()
@@ -231,10 +253,38 @@ class HiCache:
     :class:`ConcurrentUse` (module docstring)."""
 
     def __init__(self, topology: MeshTopology, spec: StateSpec, config: HiCacheConfig) -> None:
+        if not isinstance(config, HiCacheConfig):
+            raise TypeError(f"config must be a HiCacheConfig, got {type(config).__name__}")
+        if not isinstance(spec, StateSpec):
+            raise TypeError(f"spec must be a StateSpec, got {type(spec).__name__}")
         self.config = config
         self.spec = spec
         self._entry = _Entry()
+        self._closed = False
         self._ctl = HiCacheController(topology, spec, config)
+
+    def __enter__(self) -> HiCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """``close()`` on the way out. After a ``RanksDisagree``/``CollectiveTimeout`` the
+        mesh is out of step and close's agreements would fail again: only this rank's
+        threads and storage are stopped then (no collective)."""
+        if isinstance(exc, RanksDisagree | CollectiveTimeout) and not self._closed:
+            self._closed = True
+            self._ctl.close_local()
+            return
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True after ``close()``: every other call but ``stats()`` raises ``CacheClosed``."""
+        return self._closed
 
     @property
     def device(self) -> DevicePools:
@@ -249,7 +299,12 @@ class HiCache:
 
     @_exclusive
     def match(
-        self, tokens: Sequence[int], namespace: str = "", *, tenant: str | None = None
+        self,
+        tokens: Sequence[int],
+        namespace: str = "",
+        *,
+        tenant: str | None = None,
+        leave_one: bool = False,
     ) -> CachedRequest:
         """Look ``tokens`` up in every tier; lock the usable prefix; start an L3 prefetch.
 
@@ -259,7 +314,18 @@ class HiCache:
         any tier (see ``tenant_namespace``). On a mesh pass the same tenant on every rank.
         Bad tokens (not ints, bools, floats, outside ``[0, 2**63)``) raise before anything
         is held.
+
+        ``leave_one=True``: look up all but the last token, so the prefix is at most
+        ``len(tokens) - 1`` and at least one token is left to compute (its logits start
+        decoding). A prompt lookup wants it: a whole-page prompt that is fully cached
+        would otherwise leave nothing to run the model on. ``req.key`` is then the
+        shortened key; ``insert`` still takes the whole prompt. ``ValueError`` for empty
+        ``tokens`` with ``leave_one``.
         """
+        if leave_one:
+            if len(tokens) == 0:
+                raise ValueError("match(tokens, leave_one=True) needs at least one token")
+            tokens = tokens[:-1]
         ns = tenant_namespace(self.config.tenant if tenant is None else tenant, namespace)
         key = RadixKey(tokens, ns)  # validated once, in bulk (radix/hashing.py)
         return CachedRequest(self._ctl.match(key))
@@ -325,7 +391,16 @@ class HiCache:
         if len(pages) != len(tokens) // ps:
             raise ValueError(f"{len(pages)} pages given for {len(tokens) // ps} whole pages")
         key = RadixKey(tokens, req.key.namespace)
-        return self._ctl.insert(_lease_of(req), key, pages, mamba_slot)
+        lease = _lease_of(req)
+        self._ctl.requests.check_open(lease)  # a released request says so first
+        if self.spec.has_mamba and mamba_slot is None and not self._ctl.has_state_at(key):
+            raise ValueError(
+                f"insert of {len(tokens)} tokens without mamba_slot on a spec with recurrent "
+                f"state: a hit needs the state after exactly {len(tokens)} tokens; pass the "
+                "alloc_slot() slot that holds it (the prefill split that captures it is "
+                "in docs/engine_guide.md), or insert only up to a boundary whose state you hold"
+            )
+        return self._ctl.insert(lease, key, pages, mamba_slot)
 
     @_exclusive
     def release(self, req: CachedRequest) -> None:
@@ -348,11 +423,21 @@ class HiCache:
 
     @_exclusive
     def close(self) -> None:
-        """Release open requests, flush, stop the worker threads. Collective; idempotent."""
-        self._ctl.close()
+        """Release open requests, flush, stop every thread the cache started (transfer
+        worker, storage readers and writers) and close the storage. Collective;
+        idempotent. Afterwards every call but ``stats()`` raises ``CacheClosed``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._ctl.close()
+        except BaseException:
+            self._ctl.close_local()  # the agreements failed: still stop this rank's threads
+            raise
 
     def stats(self) -> CacheStats:
-        """A snapshot of this rank's counters (storage degraded flag included)."""
+        """A snapshot of this rank's counters (storage degraded flag included); after
+        ``close()`` the final counters."""
         return self._ctl.stats_snapshot()
 
     @_exclusive

@@ -111,6 +111,12 @@ class HiCacheConfig:
     the main job, so opt-in), ``adaptive`` and ``reuse`` (``cost`` with a learnt horizon,
     and a learnt reuse probability; ``radix.adaptive`` / ``radix.reuse``), or a stateless
     ``EvictionPolicy`` instance (the benchmarks' baselines, ``scripts/baseline_policies.py``)."""
+    collective_timeout_s: float = 60.0
+    """Seconds within which a cache agreement fails on every rank when a rank of the mesh
+    does not join it (it called another cache operation, none, or is dead or frozen); the
+    same default bound as the bundled runtime's ``--collective-timeout-s``. On a CPU (gloo)
+    mesh of several ranks the cache agrees over its own group with this bound; on CUDA the
+    mesh's NCCL group and its timeout are used."""
     cost_model: CostModel | None = None
     """Bytes per KV token and per state, FLOPs per token and per key for ``cost``;
     None = ``CostModel.from_spec`` (rough). The runtime passes its model's numbers."""
@@ -130,6 +136,16 @@ class HiCacheConfig:
             raise ValueError(
                 f"HiCacheConfig.tenant must be a str without {TENANT_SEPARATOR!r}, "
                 f"got {self.tenant!r}"
+            )
+        timeout = self.collective_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout < float("inf")
+        ):
+            raise ValueError(
+                f"HiCacheConfig.collective_timeout_s must be a number of seconds > 0, "
+                f"got {timeout!r}"
             )
         if self.host_ratio <= 0:
             raise ValueError(f"HiCacheConfig.host_ratio must be > 0, got {self.host_ratio}")

@@ -48,6 +48,7 @@ from mesh_hicache.radix.policies import make_policy
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.storage.factory import open_storage
+from mesh_hicache.storage.guard import GuardedStorage
 from mesh_hicache.storage.keys import KeyNamespace
 from mesh_hicache.tiers import (
     BackupQueue,
@@ -80,7 +81,10 @@ class HiCacheController:
         device = torch.device("cpu")
         if topology.device_type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        self.agree = Consensus.over(topology, "pp", "cp", "tp")
+        self.agree = Consensus.over(
+            topology, "pp", "cp", "tp", timeout_s=config.collective_timeout_s
+        )
+        self.agree.enter("HiCache()")  # every rank constructs, or all raise naming it
         # A byte budget is one arena per tier, its blocks agreed over the mesh
         # (pools/arena.py); explicit counts are fixed pools.
         if config.device_bytes:
@@ -134,7 +138,7 @@ class HiCacheController:
                 timeout_per_1k_s=config.prefetch_timeout_per_1k_s,
             )
             self.l3 = StorageTier(
-                open_storage(str(config.storage), **config.storage_options),
+                self._open_storage(),
                 self.namespace,
                 self.layout,
                 self.host,
@@ -159,6 +163,28 @@ class HiCacheController:
         )
         self.requests = RequestFlow(
             self.tree, self.alloc, self.backups, self.loader, self.l3, self.stats
+        )
+        self.agree.operation = "agree"
+
+    def _open_storage(self) -> GuardedStorage:
+        """The L3 backend, built now (``open_storage``); agreed: when it cannot be built on
+        some rank every rank raises (one agreement, issued on every rank)."""
+        storage: GuardedStorage | None = None
+        error: ValueError | None = None
+        try:
+            storage = open_storage(str(self.config.storage), **self.config.storage_options)
+        except (ValueError, TypeError) as err:
+            error = ValueError(f"HiCacheConfig.storage_options: {err}")
+        if self.agree.all_true(storage is not None):
+            assert storage is not None
+            return storage
+        if storage is not None:
+            storage.close()
+        if self.engine is not None:
+            self.engine.close()
+        raise error or ValueError(
+            f"HiCacheConfig.storage={str(self.config.storage)!r} could not be opened on "
+            "another rank of the mesh (its error names the cause)"
         )
 
     # -- the request API (collective; see tiers/requests.py) --------------------------------
@@ -259,12 +285,24 @@ class HiCacheController:
             snap.storage_degraded = bool(getattr(backend, "degraded", False))
         return snap
 
+    def has_state_at(self, key: RadixKey) -> bool:
+        """The tree holds a recurrent state (on device or host) at ``key``'s end."""
+        node = self.tree.node_at(key)
+        return node is not None and (
+            node.mamba_device_slot is not None or node.mamba_host_slot is not None
+        )
+
     def close(self) -> None:
         """Release open requests, flush, stop the transfer worker and the storage threads;
         idempotent. Collective."""
         for lease in self.requests.open_leases:
             self.requests.release(lease)
         self.flush()
+        self.close_local()
+
+    def close_local(self) -> None:
+        """Stop this rank's threads and close its storage, with no agreement (the mesh may
+        be out of step); idempotent."""
         if self.engine is not None:
             self.engine.close()
         if self.l3 is not None:

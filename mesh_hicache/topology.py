@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -180,15 +181,18 @@ class MeshTopology:
             self._groups[key] = self.new_group(*axes, backend=backend)
         return self._groups[key]
 
-    def new_group(self, *axes: AxisLike, backend: str | None = None) -> dist.ProcessGroup:
+    def new_group(
+        self, *axes: AxisLike, backend: str | None = None, timeout: timedelta | None = None
+    ) -> dist.ProcessGroup:
         """Create a fresh, uncached process group over ``axes`` (collective on all ranks).
 
         Use one per background thread (``backend="gloo"``) so that its collectives never
-        interleave with those of the main thread.
+        interleave with those of the main thread. ``timeout``: its collectives' bound
+        (None: the process group default).
         """
         norm = self._normalize_axes(axes)
         all_ranks = self._all_subgroup_ranks(norm)
-        mine, _ = dist.new_subgroups_by_enumeration(all_ranks, backend=backend)
+        mine, _ = dist.new_subgroups_by_enumeration(all_ranks, backend=backend, timeout=timeout)
         assert mine is not None
         return mine
 

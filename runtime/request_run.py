@@ -187,7 +187,9 @@ class RequestRun:
         computed, and its logits start the decode. Starts the L3 prefetch."""
         self.t_start = time.perf_counter()
         if self.cache is not None:
-            self.req = self.cache.match(self.prompt[:-1], self.namespace, tenant=self.tenant)
+            self.req = self.cache.match(
+                self.prompt, self.namespace, tenant=self.tenant, leave_one=True
+            )
 
     def load(self) -> None:
         """Stop the prefetch (its policy) and start the host -> device load."""

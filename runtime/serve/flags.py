@@ -297,6 +297,7 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         prefetch_threshold=args.prefetch_threshold,
         cp_kv=args.cp_kv,
         tenant=args.tenant,
+        collective_timeout_s=args.collective_timeout_s,
     )
 
 

@@ -483,8 +483,9 @@ def test_failed_backup_drops_its_host_copies_under_an_open_request(make_cache):
     cache.load(req)
     assert cache.finish_load(req) == 12
     pages = req.prefix_pages + cache.alloc_pages(req, 1)
+    slot = cache.alloc_slot(req)  # a hybrid insert carries the state at its end
     internals(cache).engine.fail_next()
-    cache.insert(req, longer, pages)
+    cache.insert(req, longer, pages, slot)
     cache.flush()  # consumes the failed backup while req holds A's path
     assert node_of(cache, A).host_indices is None
     assert node_of(cache, longer).host_indices is None
