@@ -192,27 +192,56 @@ def test_llama_l2_l3_tenants_and_corruption(vllm_python: str, tmp_path: Path) ->
     assert _delta(s2, 2, "l3_hit_tokens") == 5 * BLOCK
 
 
-@pytest.mark.timeout(1800)
-def test_mamba2_hybrid_gets_no_partial_hit(vllm_python: str, tmp_path: Path) -> None:
-    """A Mamba-2 hybrid: the connector cannot restore the Mamba state group yet, so by the
-    hybrid rule it reports no hit at all (never KV without its state); output stays right."""
+@pytest.mark.timeout(3600)  # two engine starts
+def test_mamba2_hybrid_restores_kv_and_state(vllm_python: str, tmp_path: Path) -> None:
+    """A Mamba-2 hybrid: the connector saves the attention pages and the Mamba state vLLM
+    hands off at a page boundary (align mode), and restores both: from L2 once vLLM's own
+    prefix cache is emptied, and from L3 in a second engine (a new process). Every output
+    equals transformers' (float32), so a hit that restored KV without its state (or a
+    wrong state) would fail."""
     model = _build_granite_hybrid(tmp_path / "granite")
     rng = random.Random(1)
-    shared = _seq(rng, 300)
-    steps = [{"prompt": shared + [5, 6, 7]}, {"prompt": shared + [9, 10, 11]}]
+    shared = _seq(rng, 300)  # 2 whole 128-token pages before the last prompt token
+    a, b, c = ([5, 6, 7], [9, 10, 11], [12, 13, 14])
     store = tmp_path / "l3"
     store.mkdir()
+    first = [
+        {"prompt": shared + a},
+        {"prompt": shared + b, "reset_device_cache": True},
+    ]
     job = {
         "model": str(model),
         "block_size": 128,
         "max_model_len": 1024,
         "engine_kwargs": {"max_num_batched_tokens": 128},
-        "kv_transfer_config": _connector(store, tmp_path / "stats.json", 16 << 20),
-        "steps": steps,
+        "kv_transfer_config": _connector(store, tmp_path / "stats1.json", 16 << 20),
+        "steps": first,
     }
-    out = run_engine(vllm_python, job, tmp_path, "hybrid")
-    for i, step in enumerate(out):
-        _assert_matches(step, _reference(model, steps[i]["prompt"]), f"hybrid request {i}")
-    stats = out[-1]["stats"]["scheduler"]
-    assert stats["unsupported_requests"] == 2
-    assert stats["l2_hit_tokens"] == stats["l3_hit_tokens"] == stats["saved_pages"] == 0
+    s1 = run_engine(vllm_python, job, tmp_path, "hybrid1")
+    for i, step in enumerate(s1):
+        _assert_matches(step, _reference(model, first[i]["prompt"]), f"hybrid engine 1, req {i}")
+    stats = s1[0]["stats"]["scheduler"]
+    assert stats["unsupported_requests"] == 0
+    assert stats["saved_pages"] == 2 and stats["saved_states"] >= 1, stats
+    # vLLM's device cache emptied: both pages and the state at their end came from L2.
+    assert _delta(s1, 1, "l2_hit_tokens") == 2 * 128
+    assert _delta(s1, 1, "device_hit_tokens") == 0
+
+    second = [
+        {"prompt": shared + c},
+        {"prompt": shared + c, "salt": "bob"},
+    ]
+    job2 = {
+        **job,
+        "kv_transfer_config": _connector(store, tmp_path / "stats2.json", 16 << 20),
+        "steps": second,
+    }
+    s2 = run_engine(vllm_python, job2, tmp_path, "hybrid2")
+    ref_c = _reference(model, second[0]["prompt"])
+    _assert_matches(s2[0], ref_c, "hybrid engine 2, L3 hit")
+    _assert_matches(s2[1], ref_c, "hybrid engine 2, other tenant")
+    assert _delta(s2, 0, "l3_hit_tokens") == 2 * 128
+    worker = s2[0]["stats"]["worker"]
+    assert worker["loaded_pages"] == 2 and worker["l3_get_failed"] == 0, worker
+    for key in ("l2_hit_tokens", "l3_hit_tokens", "device_hit_tokens"):
+        assert _delta(s2, 1, key) == 0, key

@@ -1,8 +1,9 @@
 """The connector's scheduler side: hits beyond vLLM's own, L2 placement, L3 lookups.
 
 Runs in vLLM's engine-core process (no vLLM import here; requests and block lists are
-duck-typed). Hit rule: a page counts only when every KV cache group's object of it can be
-restored; a model with a group the connector cannot restore gets no hit at all.
+duck-typed). Hit rule: ``k`` pages count only when every KV group's objects of pages
+``0..k-1`` and every state group's object at page ``k-1``'s end can be restored; a model
+with a group the connector cannot restore gets no hit at all.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class ConnectorScheduler:
         self._pending: dict[str, _Pending] = {}
         self._orders = StepOrders()
         self._reports: dict[int, list[bool]] = {}
-        self._prefetching: dict[int, tuple[str, HostEntry]] = {}
+        self._prefetching: dict[int, tuple[str, HostEntry, tuple[int, ...]]] = {}
+        self._live: dict[str, object] = {}
+        """Requests between their first hit question and their end (for boundary states)."""
 
     # -- hits -----------------------------------------------------------------------------
 
@@ -75,6 +78,7 @@ class ConnectorScheduler:
             if not self.plan.supported:
                 self._count_request(request, num_computed, unsupported=True)
                 return 0, False
+            self._live[req_id] = request
             tokens = list(request.all_token_ids)  # type: ignore[attr-defined]
             # The last prompt token is always computed by the engine (it yields the logits).
             usable = max(0, len(tokens) - 1) // self.plan.page_size * self.plan.page_size
@@ -85,12 +89,18 @@ class ConnectorScheduler:
         if pending.prefetching:
             return None, False
         hashes = pending.hashes
-        in_l2 = self.directory.ready_run(hashes)
-        if not pending.l3_checked and self.storage is not None and in_l2 < len(hashes):
-            pending.l3_checked = True
-            if self._start_prefetch(req_id, pending, in_l2):
-                return None, False
+        kv, state = self.plan.kv_groups, self.plan.state_groups
         page = self.plan.page_size
+        in_l2 = self.directory.hit_pages(hashes, kv, state, num_computed // page)
+        if (
+            not pending.l3_checked
+            and self.storage is not None
+            and in_l2 < len(hashes)
+            and len(hashes) * page > num_computed
+        ):
+            pending.l3_checked = True
+            if self._start_prefetch(req_id, pending, in_l2, num_computed):
+                return None, False
         hit_pages = in_l2
         if hit_pages * page <= num_computed:
             self._finish_pending(req_id, request, num_computed, 0)
@@ -99,22 +109,73 @@ class ConnectorScheduler:
         pending.local_tokens = num_computed
         return hit_pages * page - num_computed, False
 
-    def _start_prefetch(self, req_id: str, pending: _Pending, start: int) -> bool:
+    def _start_prefetch(self, req_id: str, pending: _Pending, in_l2: int, local: int) -> bool:
+        """Read from L3 what the longest hit over L2 + L3 misses in L2 (KV groups of every
+        page, state groups of its last page); True when a read started."""
         assert self.storage is not None
-        wanted = pending.hashes[start:]
-        keys = [k for h in wanted for k in self.plan.keys(h, pending.tenant, 0, self.tp_size)]
-        per_page = len(self.plan.groups)
-        found = self.storage.exists(keys) // per_page
-        if found * self.plan.page_size < max(1, self.config.prefetch_threshold):
+        kv, state = sorted(self.plan.kv_groups), sorted(self.plan.state_groups)
+        hashes, tenant, tp = pending.hashes, pending.tenant, self.tp_size
+        first = local // self.plan.page_size  # pages below are the engine's own
+        held: list[set[int] | None] = []
+        for i, h in enumerate(hashes):
+            e = self.directory.get(h)
+            if i < first:
+                held.append(set(kv))
+            else:
+                held.append(set(e.held) if e is not None and e.ready else None if e else set())
+        # KV groups: existence of what L2 lacks, page by page, up to the first gap.
+        asks = [(i, g) for i, hs in enumerate(held) if hs is not None for g in kv if g not in hs]
+        keys = [self.plan.keys(hashes[i], tenant, 0, tp, (g,))[0] for i, g in asks]
+        in_l3 = set(zip(asks, self.storage.exists_each(keys), strict=True))
+        found_l3 = {ig for ig, ok in in_l3 if ok}
+        run = 0
+        for i, hs in enumerate(held):
+            if hs is None or any(g not in hs and (i, g) not in found_l3 for g in kv):
+                break
+            run = i + 1
+        # State groups: the longest page of the run whose end state L2 or L3 holds.
+        target = 0
+        if not state:
+            target = run
+        else:
+            cand = [i for i in range(first, run) if not set(state) <= (held[i] or set())]
+            s_asks = [(i, g) for i in cand for g in state if g not in (held[i] or set())]
+            s_keys = [self.plan.keys(hashes[i], tenant, 0, tp, (g,))[0] for i, g in s_asks]
+            s_flags = self.storage.exists_each(s_keys)
+            s_found = {ig for ig, ok in zip(s_asks, s_flags, strict=True) if ok}
+            for i in range(run - 1, first - 1, -1):
+                hs = held[i] or set()
+                if all(g in hs or (i, g) in s_found for g in state):
+                    target = i + 1
+                    break
+        gain = target * self.plan.page_size - max(in_l2 * self.plan.page_size, local)
+        if target <= in_l2 or gain < max(1, self.config.prefetch_threshold):
             return False
-        found = min(found, self.directory.can_hold(found))
-        for h in wanted[:found]:
-            entry = self.directory.add(h, ready=False, from_l3=True, pinned=True)
+        plan: list[tuple[int, tuple[int, ...]]] = []
+        for i in range(first, target):
+            hs = held[i] or set()
+            want = [g for g in kv if g not in hs]
+            if i == target - 1:
+                want += [g for g in state if g not in hs]
+            if want:
+                plan.append((i, tuple(want)))
+        new = sum(1 for i, _ in plan if self.directory.get(hashes[i]) is None)
+        if not plan or self.directory.can_hold(new) < new:
+            return False
+        for i, groups in plan:
+            h = hashes[i]
+            entry = self.directory.get(h)
+            if entry is None:
+                entry = self.directory.add(h, ready=False, from_l3=True, pinned=True)
+            else:
+                self.directory.pin(entry)
+                entry.ready = False
+                entry.from_l3 = True
             pending.entries.append(entry)
             pending.prefetching.add(entry.entry_id)
-            self._prefetching[entry.entry_id] = (req_id, entry)
-            self._orders.prefetches.append(PageOrder(entry.entry_id, h, pending.tenant))
-        return bool(found)
+            self._prefetching[entry.entry_id] = (req_id, entry, groups)
+            self._orders.prefetches.append(PageOrder(entry.entry_id, h, tenant, (), groups))
+        return True
 
     def worker_report(self, report: WorkerReport) -> None:
         """Prefetch results from the workers (ready once every worker read its shard)."""
@@ -126,38 +187,46 @@ class ConnectorScheduler:
             del self._reports[entry_id]
             if entry_id not in self._prefetching:
                 continue
-            req_id, entry = self._prefetching.pop(entry_id)
+            req_id, entry, groups = self._prefetching.pop(entry_id)
             pending = self._pending.get(req_id)
             if pending is not None:
                 pending.prefetching.discard(entry_id)
+            entry.ready = True
             if all(got):
-                entry.ready = True
+                entry.held.update(groups)
                 self.counters.prefetched_pages += 1
             else:
                 self.counters.prefetch_failed_pages += 1
-                self.directory.remove(entry.page_hash)
+                if not entry.held:
+                    self.directory.remove(entry.page_hash)
 
     def after_alloc(self, request: object, block_ids: tuple[list[int], ...], n_ext: int) -> None:
-        """vLLM's ``update_state_after_alloc``: the load orders for the external tokens."""
+        """vLLM's ``update_state_after_alloc``: the load orders for the external tokens
+        (KV groups of every loaded page, state groups of the last one)."""
         req_id: str = request.request_id  # type: ignore[attr-defined]
         pending = self._pending.get(req_id)
         if pending is None:
             return
         page = self.plan.page_size
+        kv, state = tuple(sorted(self.plan.kv_groups)), tuple(sorted(self.plan.state_groups))
         loaded = 0
         if n_ext > 0:
             first = pending.local_tokens // page
             last = (pending.local_tokens + n_ext) // page
             for i in range(first, last):
                 entry = self.directory.get(pending.hashes[i])
-                assert entry is not None and entry.ready, "a loaded page left L2 before its load"
+                groups = kv + state if i == last - 1 else kv
+                assert entry is not None and entry.ready and set(groups) <= entry.held, (
+                    "a loaded page left L2 before its load"
+                )
+                ids = tuple(b[i] if i < len(b) else 0 for b in block_ids)
+                # vLLM's null block (0) never receives a state: an align-mode hit has a real
+                # block at the hit's last page in every state group.
+                assert all(ids[g] != 0 for g in groups if g in self.plan.state_groups), (
+                    f"no state block to load page {i} into"
+                )
                 self._orders.loads.append(
-                    PageOrder(
-                        entry.entry_id,
-                        entry.page_hash,
-                        pending.tenant,
-                        tuple(ids[i] for ids in block_ids),
-                    )
+                    PageOrder(entry.entry_id, entry.page_hash, pending.tenant, ids, groups)
                 )
                 if entry.from_l3:
                     self.counters.l3_hit_tokens += page
@@ -188,36 +257,76 @@ class ConnectorScheduler:
     # -- saves ----------------------------------------------------------------------------
 
     def request_finished(self, request: object, block_ids: tuple[list[int], ...]) -> bool:
-        """Save the request's whole computed pages not yet in L2; True when vLLM must keep
-        its blocks until the workers copied them."""
+        """Save the request's whole computed pages (KV groups) not yet in L2; True when
+        vLLM must keep its blocks until the workers copied them. State groups are saved
+        as vLLM offers their boundary states (``boundary_states``), not here: at the end
+        only the running state is left, not the boundary ones."""
         req_id: str = request.request_id  # type: ignore[attr-defined]
+        self._live.pop(req_id, None)
         pending = self._pending.pop(req_id, None)
         if pending is not None:  # finished (or aborted) before its load: release its pages
             for entry in pending.entries:
                 if entry.pins:
                     self.directory.unpin(entry)
-        if not self.plan.supported or not block_ids or not block_ids[0]:
+        kv = tuple(sorted(self.plan.kv_groups))
+        if not self.plan.supported or not block_ids or not all(block_ids[g] for g in kv):
             return False
         computed = int(getattr(request, "num_computed_tokens", 0))
         tokens = list(request.all_token_ids)[:computed]  # type: ignore[attr-defined]
         tenant = self.tenant_of(request)
         hashes = self.plan.page_hashes(tokens, tenant)
-        n = min(len(hashes), *(len(ids) for ids in block_ids))
+        n = min(len(hashes), *(len(block_ids[g]) for g in kv))
         saved = False
         for i in range(n):
             h = hashes[i]
-            if self.directory.get(h) is not None:
+            held = self.directory.get(h)
+            if held is not None and (not held.ready or set(kv) <= held.held):
                 self.directory.touch(h)
                 continue
-            entry = self.directory.add(h, ready=True, from_l3=False, pinned=False)
-            self._orders.saves.append(
-                PageOrder(entry.entry_id, h, tenant, tuple(ids[i] for ids in block_ids))
-            )
+            if held is None:
+                held = self.directory.add(h, ready=True, from_l3=False, pinned=False)
+            held.held.update(kv)
+            ids = tuple(b[i] if i < len(b) else 0 for b in block_ids)
+            self._orders.saves.append(PageOrder(held.entry_id, h, tenant, ids, kv))
             self.counters.saved_pages += 1
             saved = True
         if saved:
             self._orders.save_request_ids.append(req_id)
         return saved
+
+    def boundary_states(self, offers: dict[str, list[tuple[int, int, int]]]) -> None:
+        """vLLM's boundary-state hand-offs of this step (``{request id: [(group, block,
+        boundary tokens)]}``, ``align`` mode): save each page-end state that every state
+        group offers, copied by the workers after this step's forward."""
+        state = self.plan.state_groups
+        if not state or not self.plan.supported:
+            return
+        page = self.plan.page_size
+        for req_id, items in offers.items():
+            request = self._live.get(req_id)
+            if request is None:
+                continue
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block, boundary in items:
+                if group in state and block != 0 and boundary > 0 and boundary % page == 0:
+                    by_boundary.setdefault(boundary, {})[group] = block
+            tokens = list(request.all_token_ids)  # type: ignore[attr-defined]
+            tenant = self.tenant_of(request)
+            for boundary, blocks in sorted(by_boundary.items()):
+                if set(blocks) != state or boundary > len(tokens):
+                    continue
+                h = self.plan.page_hashes(tokens[:boundary], tenant)[-1]
+                entry = self.directory.get(h)
+                if entry is not None and (not entry.ready or state <= entry.held):
+                    self.directory.touch(h)
+                    continue
+                if entry is None:
+                    entry = self.directory.add(h, ready=True, from_l3=False, pinned=False)
+                entry.held.update(state)
+                ids = tuple(blocks.get(g, 0) for g in range(len(self.plan.groups)))
+                order = PageOrder(entry.entry_id, h, tenant, ids, tuple(sorted(state)))
+                self._orders.state_saves.append(order)
+                self.counters.saved_states += 1
 
     # -- steps ----------------------------------------------------------------------------
 
