@@ -122,18 +122,24 @@ def test_hit_restores_kv_pages_and_the_state_at_their_end(tmp_path: Path) -> Non
     a = _Engine(tmp_path)
     kv, state = _run_first(a, tokens)
     # Same engine, vLLM's own cache gone: the third page has KV but no state at its end,
-    # so the hit is 2 pages; the state lands in the block vLLM allocated at the hit's end.
+    # so the hit is 2 pages; the state lands in the block vLLM allocated at the hit's end
+    # (where vLLM's own prefix cache will find it) ...
     a.attn.zero_()
     a.state_pages.zero_()
     assert a.hit(_request("r2", tokens), ([7, 8, 9, 10], [0, 11, 12])) == 2 * BLOCK
     assert a.sched.counters.l2_hit_tokens == 2 * BLOCK
     assert torch.equal(a.attn[7:9], kv) and torch.equal(a.mixer[11], state)
+    # ... and in the request's running block (its last), which vLLM filled from block 11
+    # before the load: the forward starts from there.
+    assert torch.equal(a.mixer[12], state)
     assert not a.state_pages[11, 40:].any()  # the page's padding stays untouched
     # Another engine on the same store: both groups' objects come from L3.
     b = _Engine(tmp_path)
     assert b.hit(_request("r3", tokens + [99]), ([1, 2, 3, 4], [0, 5, 6])) == 2 * BLOCK
     assert b.sched.counters.l3_hit_tokens == 2 * BLOCK
     assert torch.equal(b.attn[1:3], kv) and torch.equal(b.mixer[5], state)
+    assert torch.equal(b.mixer[6], state)
+    assert b.worker.counters.loaded_pages == 2
     # Another tenant shares nothing.
     assert b.hit(_request("r4", tokens, salt="alice"), ([1, 2, 3, 4], [0, 5, 6])) == 0
 

@@ -228,6 +228,15 @@ class ConnectorScheduler:
                 self._orders.loads.append(
                     PageOrder(entry.entry_id, entry.page_hash, pending.tenant, ids, groups)
                 )
+                if i == last - 1 and state:
+                    # vLLM (align mode) copies the state at the hit's end into the request's
+                    # running block (its last) before the connector loads: the state goes
+                    # into that block too, the one this step's forward starts from.
+                    run = tuple(b[-1] if b else 0 for b in block_ids)
+                    if all(run[g] != 0 and run[g] != ids[g] for g in state):
+                        self._orders.loads.append(
+                            PageOrder(entry.entry_id, entry.page_hash, pending.tenant, run, state)
+                        )
                 if entry.from_l3:
                     self.counters.l3_hit_tokens += page
                     entry.from_l3 = False

@@ -114,7 +114,8 @@ class ConnectorWorker:
                 page = held[g]
                 assert page is not None, f"L2 entry {order.entry_id} lacks group {g}"
                 self._scatter(self.groups[g], order.block_ids[g], page)
-            self.counters.loaded_pages += 1
+            if not set(order.groups).isdisjoint(self.plan.kv_groups):
+                self.counters.loaded_pages += 1
         self._step_drops = set(orders.drops)
         for entry_id in orders.drops:
             with self._lock:
