@@ -172,3 +172,115 @@ def test_state_group_roles() -> None:
     assert group_role(spec) == ""
     window = type("SlidingWindowSpec", (), {})()
     assert group_role(window) == ""
+
+
+def _window_engine(root: Path) -> tuple[ConnectorScheduler, ConnectorWorker, dict]:
+    full, window = (
+        GroupLayout(
+            group_id=i,
+            spec_kind=kind,
+            block_size=BLOCK,
+            layer_names=(name,),
+            layer_range=(i, i + 1),
+            total_kv_heads=2,
+            local_kv_heads=2,
+            geometry=f"{kind}|bs={BLOCK}",
+            role=role,
+            window=2 * BLOCK,
+        )
+        for i, (kind, name, role) in enumerate(
+            (("FullAttentionSpec", "full", "kv"), ("SlidingWindowSpec", "local", "window"))
+        )
+    )
+    plan = KeyPlan("weights:window", "float32", 1, (full, window))
+    config = ConnectorConfig.from_extra({"storage_root": str(root), "host_bytes": 1 << 20})
+    sched = ConnectorScheduler(
+        config,
+        plan,
+        open_storage("file", root=str(root)),
+        page_bytes=1024,
+        num_workers=1,
+        tp_size=1,
+    )
+    worker = ConnectorWorker(
+        plan, open_storage("file", root=str(root)), tp_coord=0, tp_size=1, stats_file=None
+    )
+    kv = {n: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 4) for n in ("full", "local")}
+    worker.register(kv, NUM_BLOCKS)
+    return sched, worker, kv
+
+
+def _window_step(sched: ConnectorScheduler, worker: ConnectorWorker) -> None:
+    worker.apply(sched.take_orders())
+    worker.after_forward()
+    worker._io.submit(lambda: None).result()
+    report = worker.take_report()
+    if report is not None:
+        sched.worker_report(report)
+
+
+def _window_hit(
+    sched: ConnectorScheduler,
+    worker: ConnectorWorker,
+    req: SimpleNamespace,
+    blocks: tuple[list[int], list[int]],
+) -> int:
+    for _ in range(5):
+        n, _ = sched.num_new_matched_tokens(req, 0)
+        if n is not None:
+            break
+        _window_step(sched, worker)
+    assert n is not None
+    sched.after_alloc(req, blocks, n)
+    _window_step(sched, worker)
+    return n
+
+
+def test_sliding_window_pages_inside_the_window_are_saved_and_restored(tmp_path: Path) -> None:
+    """Window of 2 pages: a hit of k pages needs the window group's pages k-2, k-1 (vLLM
+    frees the others); at the end vLLM still holds only the pages inside the window."""
+    sched, worker, kv = _window_engine(tmp_path)
+    tokens = list(range(1, 1 + 4 * BLOCK + 2))
+    g = torch.Generator().manual_seed(1)
+    for t in kv.values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    req = _request("r1", tokens)
+    assert sched.num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.request_finished(req, ([1, 2, 3, 4, 5], [0, 0, 6, 7, 8]))
+    _window_step(sched, worker)
+    worker._io.submit(lambda: None).result()
+    full, local = kv["full"][1:5].clone(), kv["local"][6:8].clone()
+    for t in kv.values():
+        t.zero_()
+    # The whole prompt again: 4 pages, the window group's pages 2 and 3 into its blocks.
+    assert (
+        _window_hit(sched, worker, _request("r2", tokens), ([9, 10, 11, 12, 13], [0, 0, 14, 15, 0]))
+        == 4 * BLOCK
+    )
+    assert torch.equal(kv["full"][9:13], full) and torch.equal(kv["local"][14:16], local)
+    # A prompt that leaves the shared prefix at page 3: a hit of 3 pages would need the
+    # window pages 1 and 2, and page 1 was outside the window when it was saved: no hit.
+    other = tokens[: 3 * BLOCK] + [250] * (BLOCK + 2)
+    assert (
+        _window_hit(sched, worker, _request("r3", other), ([9, 10, 11, 12, 13], [0, 14, 15, 0, 0]))
+        == 0
+    )
+    # A new engine on the same store gets the 4 pages from L3.
+    sched2, worker2, kv2 = _window_engine(tmp_path)
+    assert (
+        _window_hit(sched2, worker2, _request("r4", tokens), ([1, 2, 3, 4, 5], [0, 0, 6, 7, 0]))
+        == 4 * BLOCK
+    )
+    assert sched2.counters.l3_hit_tokens == 4 * BLOCK
+    assert torch.equal(kv2["full"][1:5], full) and torch.equal(kv2["local"][6:8], local)
+
+
+def test_best_hit_rule() -> None:
+    sched_plan = _plan()
+    every = {KV, STATE}
+    # State only at page 1's end: the longest hit is 2 pages, whatever KV follows.
+    avail = [{KV}, every, {KV}, {KV}]
+    assert sched_plan.best_hit(avail) == 2
+    assert sched_plan.best_hit([{KV}, {KV}]) == 0
+    # Pages below `start` are the engine's own: only the state at the end is needed.
+    assert sched_plan.best_hit([set(), set(), every], start=2) == 3

@@ -80,6 +80,32 @@ def _build_granite_hybrid(path: Path) -> Path:
     return path
 
 
+def _build_gemma3(path: Path) -> Path:
+    # Gemma-3-like: sliding-window layers (window 64 = two 32-token blocks) and one
+    # full-attention layer, so vLLM has a sliding-window and a full-attention group.
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
 def _reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     """transformers float32: greedy tokens and each one's logprob."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -245,3 +271,43 @@ def test_mamba2_hybrid_restores_kv_and_state(vllm_python: str, tmp_path: Path) -
     assert worker["loaded_pages"] == 2 and worker["l3_get_failed"] == 0, worker
     for key in ("l2_hit_tokens", "l3_hit_tokens", "device_hit_tokens"):
         assert _delta(s2, 1, key) == 0, key
+
+
+@pytest.mark.timeout(3600)  # two engine starts
+def test_sliding_window_model_restores_window_pages(vllm_python: str, tmp_path: Path) -> None:
+    """Gemma-3-like (sliding-window + full-attention groups): the connector saves every
+    full-attention page and the sliding-window pages vLLM still holds when the request
+    ends (the window before its end), and a hit restores both: from L2 once vLLM's own
+    cache is emptied, from L3 in a new process; outputs equal transformers'."""
+    model = _build_gemma3(tmp_path / "gemma3")
+    rng = random.Random(2)
+    shared = _seq(rng, 200)  # 6 whole 32-token pages before the last prompt token
+    a, b, c = ([5, 6, 7], [9, 10, 11], [12, 13, 14])
+    store = tmp_path / "l3"
+    store.mkdir()
+    first = [
+        {"prompt": shared + a},
+        {"prompt": shared + b, "reset_device_cache": True},
+    ]
+    job = {
+        "model": str(model),
+        "block_size": BLOCK,
+        "max_model_len": 512,
+        "kv_transfer_config": _connector(store, tmp_path / "stats1.json", 16 << 20),
+        "steps": first,
+    }
+    s1 = run_engine(vllm_python, job, tmp_path, "window1")
+    for i, step in enumerate(s1):
+        _assert_matches(step, _reference(model, first[i]["prompt"]), f"window engine 1, req {i}")
+    assert s1[0]["stats"]["scheduler"]["unsupported_requests"] == 0
+    assert _delta(s1, 1, "l2_hit_tokens") == 6 * BLOCK
+    assert _delta(s1, 1, "device_hit_tokens") == 0
+
+    job2 = {
+        **job,
+        "kv_transfer_config": _connector(store, tmp_path / "stats2.json", 16 << 20),
+        "steps": [{"prompt": shared + c}],
+    }
+    s2 = run_engine(vllm_python, job2, tmp_path, "window2")
+    _assert_matches(s2[0], _reference(model, shared + c), "window engine 2, L3 hit")
+    assert _delta(s2, 0, "l3_hit_tokens") == 6 * BLOCK

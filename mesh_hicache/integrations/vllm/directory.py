@@ -53,22 +53,6 @@ class HostDirectory:
         if page_hash in self._entries:
             self._entries.move_to_end(page_hash)
 
-    def hit_pages(
-        self, page_hashes: list[bytes], kv: frozenset[int], state: frozenset[int], start: int = 0
-    ) -> int:
-        """The longest hit in pages: ``k`` such that pages ``start..k-1`` hold every group
-        of ``kv`` and page ``k-1`` every group of ``state`` (all ready); pages below
-        ``start`` are the engine's own. 0 when there is none beyond ``start``."""
-        best = 0
-        for i in range(start, len(page_hashes)):
-            h = page_hashes[i]
-            e = self._entries.get(h)
-            if e is None or not e.ready or not kv <= e.held:
-                break
-            if state <= e.held:
-                best = i + 1
-        return best
-
     def add(
         self,
         page_hash: bytes,

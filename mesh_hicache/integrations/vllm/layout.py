@@ -28,6 +28,9 @@ from mesh_hicache.storage.keys import KeyNamespace, StorageKey
 
 KV_SPECS = ("FullAttentionSpec",)
 """vLLM KV cache spec classes stored page by page."""
+WINDOW_SPECS = ("SlidingWindowSpec",)
+"""vLLM spec classes stored page by page where vLLM still holds the pages (the window
+before a request's end); a hit needs only the pages inside the window before its end."""
 STATE_SPECS = ("MambaSpec",)
 """vLLM spec classes whose state is stored at page boundaries (only in ``align`` mode,
 without speculative blocks). A model with a group of any other kind (sliding window,
@@ -40,6 +43,8 @@ def group_role(spec: object) -> str:
     kind = type(spec).__name__
     if kind in KV_SPECS:
         return "kv"
+    if kind in WINDOW_SPECS and int(getattr(spec, "sliding_window", 0) or 0) > 0:
+        return "window"
     if (
         kind in STATE_SPECS
         and getattr(spec, "mamba_cache_mode", None) == "align"
@@ -64,11 +69,23 @@ class GroupLayout:
     geometry: str
     """A text form of everything that shapes its bytes (enters the page hashes)."""
     role: str = "kv"
-    """``"kv"`` (per-page KV), ``"state"`` (state at page boundaries) or ``""``."""
+    """``"kv"`` (per-page KV), ``"window"`` (per-page KV, needed only inside the sliding
+    window), ``"state"`` (state at page boundaries) or ``""``."""
+    window: int = 0
+    """Sliding window in tokens plus the tokens vLLM retains below it (``"window"``)."""
 
     @property
     def supported(self) -> bool:
-        return self.role in ("kv", "state")
+        return self.role in ("kv", "window", "state")
+
+    def need_from(self, k: int) -> int:
+        """The first page whose object of this group a hit of ``k`` pages restores (the
+        pages ``need_from(k)..k-1``; vLLM's own rule for what it keeps per group)."""
+        if self.role == "state":
+            return k - 1
+        if self.role == "window":
+            return max(0, (k * self.block_size - self.window + 1) // self.block_size)
+        return 0
 
     @property
     def region(self) -> str:
@@ -112,6 +129,8 @@ def group_layouts(kv_cache_config: object, total_kv_heads: int) -> tuple[GroupLa
                 local_kv_heads=heads,
                 geometry=geometry,
                 role=group_role(spec),
+                window=int(getattr(spec, "sliding_window", 0) or 0)
+                + int(getattr(spec, "extra_retained_tokens", 0) or 0),
             )
         )
     return tuple(out)
@@ -134,6 +153,33 @@ class KeyPlan:
     def kv_groups(self) -> frozenset[int]:
         """Indices (into ``groups``) of the per-page KV groups."""
         return frozenset(i for i, g in enumerate(self.groups) if g.role == "kv")
+
+    @property
+    def window_groups(self) -> frozenset[int]:
+        """Indices of the sliding-window groups."""
+        return frozenset(i for i, g in enumerate(self.groups) if g.role == "window")
+
+    def groups_for(self, page: int, k: int) -> tuple[int, ...]:
+        """The groups whose object of page ``page`` a hit of ``k`` pages restores."""
+        return tuple(i for i, g in enumerate(self.groups) if g.need_from(k) <= page < k)
+
+    def best_hit(self, avail: list[set[int]], start: int = 0) -> int:
+        """The longest hit ``k`` (0: none beyond ``start``) such that every group's pages
+        ``need_from(k)..k-1`` are in ``avail`` (group indices per page; pages below
+        ``start`` are the engine's own and count as held)."""
+        kv = self.kv_groups
+        others = [g for g in range(len(self.groups)) if g not in kv]
+        best = 0
+        for k in range(start + 1, len(avail) + 1):
+            if not kv <= avail[k - 1]:  # KV of every page: the run ends here
+                break
+            if all(
+                i < start or g in avail[i]
+                for g in others
+                for i in range(self.groups[g].need_from(k), k)
+            ):
+                best = k
+        return best
 
     @property
     def state_groups(self) -> frozenset[int]:

@@ -89,9 +89,8 @@ class ConnectorScheduler:
         if pending.prefetching:
             return None, False
         hashes = pending.hashes
-        kv, state = self.plan.kv_groups, self.plan.state_groups
         page = self.plan.page_size
-        in_l2 = self.directory.hit_pages(hashes, kv, state, num_computed // page)
+        in_l2 = self.plan.best_hit(self._l2_avail(hashes), num_computed // page)
         if (
             not pending.l3_checked
             and self.storage is not None
@@ -109,56 +108,53 @@ class ConnectorScheduler:
         pending.local_tokens = num_computed
         return hit_pages * page - num_computed, False
 
-    def _start_prefetch(self, req_id: str, pending: _Pending, in_l2: int, local: int) -> bool:
-        """Read from L3 what the longest hit over L2 + L3 misses in L2 (KV groups of every
-        page, state groups of its last page); True when a read started."""
-        assert self.storage is not None
-        kv, state = sorted(self.plan.kv_groups), sorted(self.plan.state_groups)
-        hashes, tenant, tp = pending.hashes, pending.tenant, self.tp_size
-        first = local // self.plan.page_size  # pages below are the engine's own
-        held: list[set[int] | None] = []
-        for i, h in enumerate(hashes):
+    def _l2_avail(self, hashes: list[bytes]) -> list[set[int]]:
+        """Per page, the groups L2 holds ready (an entry being filled holds none)."""
+        out = []
+        for h in hashes:
             e = self.directory.get(h)
-            if i < first:
-                held.append(set(kv))
-            else:
-                held.append(set(e.held) if e is not None and e.ready else None if e else set())
-        # KV groups: existence of what L2 lacks, page by page, up to the first gap.
-        asks = [(i, g) for i, hs in enumerate(held) if hs is not None for g in kv if g not in hs]
-        keys = [self.plan.keys(hashes[i], tenant, 0, tp, (g,))[0] for i, g in asks]
-        in_l3 = set(zip(asks, self.storage.exists_each(keys), strict=True))
-        found_l3 = {ig for ig, ok in in_l3 if ok}
-        run = 0
-        for i, hs in enumerate(held):
-            if hs is None or any(g not in hs and (i, g) not in found_l3 for g in kv):
-                break
-            run = i + 1
-        # State groups: the longest page of the run whose end state L2 or L3 holds.
-        target = 0
-        if not state:
-            target = run
-        else:
-            cand = [i for i in range(first, run) if not set(state) <= (held[i] or set())]
-            s_asks = [(i, g) for i in cand for g in state if g not in (held[i] or set())]
-            s_keys = [self.plan.keys(hashes[i], tenant, 0, tp, (g,))[0] for i, g in s_asks]
-            s_flags = self.storage.exists_each(s_keys)
-            s_found = {ig for ig, ok in zip(s_asks, s_flags, strict=True) if ok}
-            for i in range(run - 1, first - 1, -1):
-                hs = held[i] or set()
-                if all(g in hs or (i, g) in s_found for g in state):
-                    target = i + 1
-                    break
-        gain = target * self.plan.page_size - max(in_l2 * self.plan.page_size, local)
+            out.append(set(e.held) if e is not None and e.ready else set())
+        return out
+
+    def _start_prefetch(self, req_id: str, pending: _Pending, in_l2: int, local: int) -> bool:
+        """Read from L3 what the longest hit over L2 + L3 misses in L2 (each group's pages
+        that hit needs); True when a read started."""
+        assert self.storage is not None
+        page = self.plan.page_size
+        hashes, tenant, tp = pending.hashes, pending.tenant, self.tp_size
+        first = local // page  # pages below are the engine's own
+        l2 = self._l2_avail(hashes)
+        busy = [(e := self.directory.get(h)) is not None and not e.ready for h in hashes]
+        avail = [set(x) for x in l2]
+        kv = sorted(self.plan.kv_groups)
+        others = [g for g in range(len(self.plan.groups)) if g not in self.plan.kv_groups]
+
+        storage = self.storage
+
+        def ask(pairs: list[tuple[int, int]]) -> None:
+            keys = [self.plan.keys(hashes[i], tenant, 0, tp, (g,))[0] for i, g in pairs]
+            for (i, g), ok in zip(pairs, storage.exists_each(keys), strict=True):
+                if ok:
+                    avail[i].add(g)
+
+        n = len(hashes)
+        ask([(i, g) for i in range(first, n) if not busy[i] for g in kv if g not in l2[i]])
+        run = first
+        while run < n and not busy[run] and set(kv) <= avail[run]:
+            run += 1
+        ask([(i, g) for i in range(first, run) for g in others if g not in l2[i]])
+        for i in range(n):
+            if busy[i]:
+                avail[i] = set()
+        target = self.plan.best_hit(avail, first)
+        gain = target * page - max(in_l2 * page, local)
         if target <= in_l2 or gain < max(1, self.config.prefetch_threshold):
             return False
         plan: list[tuple[int, tuple[int, ...]]] = []
         for i in range(first, target):
-            hs = held[i] or set()
-            want = [g for g in kv if g not in hs]
-            if i == target - 1:
-                want += [g for g in state if g not in hs]
+            want = tuple(g for g in self.plan.groups_for(i, target) if g not in l2[i])
             if want:
-                plan.append((i, tuple(want)))
+                plan.append((i, want))
         new = sum(1 for i, _ in plan if self.directory.get(hashes[i]) is None)
         if not plan or self.directory.can_hold(new) < new:
             return False
@@ -208,22 +204,24 @@ class ConnectorScheduler:
         if pending is None:
             return
         page = self.plan.page_size
-        kv, state = tuple(sorted(self.plan.kv_groups)), tuple(sorted(self.plan.state_groups))
+        state = tuple(sorted(self.plan.state_groups))
+        kv = self.plan.kv_groups
         loaded = 0
         if n_ext > 0:
             first = pending.local_tokens // page
             last = (pending.local_tokens + n_ext) // page
             for i in range(first, last):
                 entry = self.directory.get(pending.hashes[i])
-                groups = kv + state if i == last - 1 else kv
+                groups = self.plan.groups_for(i, last)
                 assert entry is not None and entry.ready and set(groups) <= entry.held, (
                     "a loaded page left L2 before its load"
                 )
                 ids = tuple(b[i] if i < len(b) else 0 for b in block_ids)
-                # vLLM's null block (0) never receives a state: an align-mode hit has a real
-                # block at the hit's last page in every state group.
-                assert all(ids[g] != 0 for g in groups if g in self.plan.state_groups), (
-                    f"no state block to load page {i} into"
+                # vLLM's null block (0) never receives a load: for the pages a hit needs,
+                # vLLM allocates a real block in every group (state: the hit's last page;
+                # sliding window: the pages inside the window).
+                assert all(ids[g] != 0 for g in groups if g not in kv), (
+                    f"no block to load page {i} into"
                 )
                 self._orders.loads.append(
                     PageOrder(entry.entry_id, entry.page_hash, pending.tenant, ids, groups)
@@ -266,7 +264,8 @@ class ConnectorScheduler:
     # -- saves ----------------------------------------------------------------------------
 
     def request_finished(self, request: object, block_ids: tuple[list[int], ...]) -> bool:
-        """Save the request's whole computed pages (KV groups) not yet in L2; True when
+        """Save the request's whole computed pages (KV groups; sliding-window groups where
+        vLLM still holds the page) not yet in L2; True when
         vLLM must keep its blocks until the workers copied them. State groups are saved
         as vLLM offers their boundary states (``boundary_states``), not here: at the end
         only the running state is left, not the boundary ones."""
@@ -278,6 +277,7 @@ class ConnectorScheduler:
                 if entry.pins:
                     self.directory.unpin(entry)
         kv = tuple(sorted(self.plan.kv_groups))
+        window = sorted(self.plan.window_groups)
         if not self.plan.supported or not block_ids or not all(block_ids[g] for g in kv):
             return False
         computed = int(getattr(request, "num_computed_tokens", 0))
@@ -288,15 +288,18 @@ class ConnectorScheduler:
         saved = False
         for i in range(n):
             h = hashes[i]
+            ids = tuple(b[i] if i < len(b) else 0 for b in block_ids)
+            # Sliding-window pages: only those vLLM still holds (inside the window).
+            groups = kv + tuple(g for g in window if ids[g] != 0)
             held = self.directory.get(h)
-            if held is not None and (not held.ready or set(kv) <= held.held):
+            if held is not None and (not held.ready or set(groups) <= held.held):
                 self.directory.touch(h)
                 continue
             if held is None:
                 held = self.directory.add(h, ready=True, from_l3=False, pinned=False)
-            held.held.update(kv)
-            ids = tuple(b[i] if i < len(b) else 0 for b in block_ids)
-            self._orders.saves.append(PageOrder(held.entry_id, h, tenant, ids, kv))
+            groups = tuple(g for g in groups if g not in held.held)
+            held.held.update(groups)
+            self._orders.saves.append(PageOrder(held.entry_id, h, tenant, ids, groups))
             self.counters.saved_pages += 1
             saved = True
         if saved:

@@ -154,7 +154,7 @@ class ConnectorWorker:
                 held = self.host.setdefault(order.entry_id, [None] * len(self.groups))
                 for g, page in zip(order.groups, pages, strict=True):
                     held[g] = page
-        if order.groups and set(order.groups) <= self.plan.kv_groups:
+        if not set(order.groups).isdisjoint(self.plan.kv_groups):
             self.counters.saved_pages += 1
         if orders.write_l3 or (orders.drops_to_l3 and not keep):
             self._io.submit(self._put, order, pages)
