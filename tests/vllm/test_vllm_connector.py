@@ -106,6 +106,40 @@ def _build_gemma3(path: Path) -> Path:
     return path
 
 
+def _build_qwen3_next(path: Path) -> Path:
+    # Qwen3-Next-like: Gated DeltaNet and attention layers; vLLM's CPU GDN kernel needs
+    # bfloat16 and a linear head dim of 128. vLLM raises the block size (to 288 here) so
+    # an attention page holds as many bytes as a GDN state.
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def _reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     """transformers float32: greedy tokens and each one's logprob."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -311,3 +345,39 @@ def test_sliding_window_model_restores_window_pages(vllm_python: str, tmp_path: 
     s2 = run_engine(vllm_python, job2, tmp_path, "window2")
     _assert_matches(s2[0], _reference(model, shared + c), "window engine 2, L3 hit")
     assert _delta(s2, 0, "l3_hit_tokens") == 6 * BLOCK
+
+
+@pytest.mark.timeout(1800)  # one engine start
+def test_gated_deltanet_hybrid_l2_hit_equals_uncached(vllm_python: str, tmp_path: Path) -> None:
+    """Qwen3-Next-like (Gated DeltaNet state groups, bfloat16): after vLLM's own cache is
+    emptied, the prefix comes from L2 (attention KV + GDN state) and the output equals the
+    same prompt computed without any hit (another tenant). Tolerance 1e-2 on logprobs:
+    bfloat16 (measured here: equal)."""
+    model = _build_qwen3_next(tmp_path / "qwen3next")
+    rng = random.Random(3)
+    shared = _seq(rng, 700)
+    store = tmp_path / "l3"
+    store.mkdir()
+    steps = [
+        {"prompt": shared + [5, 6, 7]},
+        {"prompt": shared + [9, 10, 11], "reset_device_cache": True},
+        {"prompt": shared + [9, 10, 11], "salt": "uncached"},
+    ]
+    job = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+        "max_model_len": 2048,
+        "kv_transfer_config": _connector(store, tmp_path / "stats.json", 256 << 20),
+        "steps": steps,
+    }
+    out = run_engine(vllm_python, job, tmp_path, "gdn")
+    stats = out[0]["stats"]["scheduler"]
+    assert stats["unsupported_requests"] == 0 and stats["saved_states"] >= 1, stats
+    hit = _delta(out, 1, "l2_hit_tokens")
+    assert hit > 0 and _delta(out, 1, "device_hit_tokens") == 0
+    for key in ("l2_hit_tokens", "l3_hit_tokens", "device_hit_tokens"):
+        assert _delta(out, 2, key) == 0, key
+    assert out[1]["tokens"] == out[2]["tokens"]
+    for x, y in zip(out[1]["logprobs"], out[2]["logprobs"], strict=True):
+        assert abs(x - y) <= 1e-2
