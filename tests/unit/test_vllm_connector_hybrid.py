@@ -47,9 +47,11 @@ def _plan() -> KeyPlan:
 
 
 class _Engine:
-    def __init__(self, root: Path, host_pages: int = 8) -> None:
+    def __init__(self, root: Path, host_pages: int = 8, policy: str = "write_through") -> None:
         plan = _plan()
-        config = ConnectorConfig.from_extra({"storage_root": str(root), "host_bytes": 1 << 20})
+        config = ConnectorConfig.from_extra(
+            {"storage_root": str(root), "host_bytes": 1 << 20, "write_policy": policy}
+        )
         page_bytes = (1 << 20) // host_pages if host_pages else 1 << 30
         self.sched = ConnectorScheduler(
             config,
@@ -172,6 +174,26 @@ def test_state_group_roles() -> None:
     assert group_role(spec) == ""
     window = type("SlidingWindowSpec", (), {})()
     assert group_role(window) == ""
+
+
+def test_no_l2_and_write_back_store_states_in_l3(tmp_path: Path) -> None:
+    """Without L2 a state saved after the forward goes straight to L3 (its entry was
+    dropped before the copy: nothing stays in host memory); with write_back an evicted
+    entry writes every group it holds. Either way a new engine hits 2 pages from L3."""
+    tokens = list(range(1, 1 + 3 * BLOCK + 2))
+    for root, engine in (
+        (tmp_path / "none", lambda r: _Engine(r, host_pages=0)),
+        (tmp_path / "back", lambda r: _Engine(r, host_pages=1, policy="write_back")),
+    ):
+        root.mkdir()
+        a = engine(root)
+        kv, state = _run_first(a, tokens)
+        if a.sched.directory.capacity == 0:
+            assert a.worker.host == {}
+        b = _Engine(root)
+        assert b.hit(_request("r2", tokens), ([1, 2, 3, 4], [0, 5, 6])) == 2 * BLOCK, root
+        assert b.sched.counters.l3_hit_tokens == 2 * BLOCK
+        assert torch.equal(b.attn[1:3], kv) and torch.equal(b.mixer[5], state)
 
 
 def _window_engine(root: Path) -> tuple[ConnectorScheduler, ConnectorWorker, dict]:
