@@ -32,6 +32,7 @@ def _plan(kind: str = "FullAttentionSpec") -> KeyPlan:
         total_kv_heads=2,
         local_kv_heads=2,
         geometry=f"{kind}|bs={BLOCK}",
+        role="kv" if kind == "FullAttentionSpec" else "",
     )
     return KeyPlan("weights:test", "float32", 1, (group,))
 
@@ -170,7 +171,7 @@ def test_no_l2_goes_through_to_l3(tmp_path: Path) -> None:
 
 def test_unrestorable_group_gives_no_hit(tmp_path: Path) -> None:
     tokens = list(range(1, 1 + 2 * BLOCK + 1))
-    a = _Engine(tmp_path, host_pages=8, plan=_plan("MambaSpec"))
+    a = _Engine(tmp_path, host_pages=8, plan=_plan("SlidingWindowSpec"))
     assert not a.sched.request_finished(_request("r1", tokens), ([0, 1, 2],))
     assert a.sched.num_new_matched_tokens(_request("r2", tokens), 0) == (0, False)
     assert a.sched.counters.unsupported_requests == 1

@@ -2,7 +2,8 @@
 
 Usage: ``python engine_job.py JOB.json OUT.json``. The job names the model directory,
 dtype, block size, device blocks, the kv_transfer_config (or none) and the steps; each step
-is one request (token ids, cache_salt, max_tokens) run to completion before the next. Per
+is one request (token ids, cache_salt, max_tokens) run to completion before the next,
+optionally after emptying vLLM's own prefix cache (``reset_device_cache``). Per
 step the output holds the greedy tokens, each token's logprob, the connector's counters
 after it and the L3 files present once the store is quiet.
 """
@@ -77,6 +78,8 @@ def main() -> None:
     )
     steps_out = []
     for step in job["steps"]:
+        if step.get("reset_device_cache"):  # vLLM's own prefix cache only (not the connector)
+            assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         sp = SamplingParams(max_tokens=step.get("max_tokens", 4), temperature=0.0, logprobs=1)
         prompt = TokensPrompt(prompt_token_ids=step["prompt"])
         if step.get("salt"):

@@ -80,6 +80,66 @@ def _build_granite_hybrid(path: Path) -> Path:
     return path
 
 
+def _build_gemma3(path: Path) -> Path:
+    # Gemma-3-like: sliding-window layers (window 64 = two 32-token blocks) and one
+    # full-attention layer, so vLLM has a sliding-window and a full-attention group.
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def _build_qwen3_next(path: Path) -> Path:
+    # Qwen3-Next-like: Gated DeltaNet and attention layers; vLLM's CPU GDN kernel needs
+    # bfloat16 and a linear head dim of 128. vLLM raises the block size (to 288 here) so
+    # an attention page holds as many bytes as a GDN state.
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def _reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     """transformers float32: greedy tokens and each one's logprob."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -192,27 +252,132 @@ def test_llama_l2_l3_tenants_and_corruption(vllm_python: str, tmp_path: Path) ->
     assert _delta(s2, 2, "l3_hit_tokens") == 5 * BLOCK
 
 
-@pytest.mark.timeout(1800)
-def test_mamba2_hybrid_gets_no_partial_hit(vllm_python: str, tmp_path: Path) -> None:
-    """A Mamba-2 hybrid: the connector cannot restore the Mamba state group yet, so by the
-    hybrid rule it reports no hit at all (never KV without its state); output stays right."""
+@pytest.mark.timeout(3600)  # two engine starts
+def test_mamba2_hybrid_restores_kv_and_state(vllm_python: str, tmp_path: Path) -> None:
+    """A Mamba-2 hybrid: the connector saves the attention pages and the Mamba state vLLM
+    hands off at a page boundary (align mode), and restores both: from L2 once vLLM's own
+    prefix cache is emptied, and from L3 in a second engine (a new process). Every output
+    equals transformers' (float32), so a hit that restored KV without its state (or a
+    wrong state) would fail."""
     model = _build_granite_hybrid(tmp_path / "granite")
     rng = random.Random(1)
-    shared = _seq(rng, 300)
-    steps = [{"prompt": shared + [5, 6, 7]}, {"prompt": shared + [9, 10, 11]}]
+    shared = _seq(rng, 300)  # 2 whole 128-token pages before the last prompt token
+    a, b, c = ([5, 6, 7], [9, 10, 11], [12, 13, 14])
     store = tmp_path / "l3"
     store.mkdir()
+    first = [
+        {"prompt": shared + a},
+        {"prompt": shared + b, "reset_device_cache": True},
+    ]
     job = {
         "model": str(model),
         "block_size": 128,
         "max_model_len": 1024,
         "engine_kwargs": {"max_num_batched_tokens": 128},
-        "kv_transfer_config": _connector(store, tmp_path / "stats.json", 16 << 20),
+        "kv_transfer_config": _connector(store, tmp_path / "stats1.json", 16 << 20),
+        "steps": first,
+    }
+    s1 = run_engine(vllm_python, job, tmp_path, "hybrid1")
+    for i, step in enumerate(s1):
+        _assert_matches(step, _reference(model, first[i]["prompt"]), f"hybrid engine 1, req {i}")
+    stats = s1[0]["stats"]["scheduler"]
+    assert stats["unsupported_requests"] == 0
+    assert stats["saved_pages"] == 2 and stats["saved_states"] >= 1, stats
+    # vLLM's device cache emptied: both pages and the state at their end came from L2.
+    assert _delta(s1, 1, "l2_hit_tokens") == 2 * 128
+    assert _delta(s1, 1, "device_hit_tokens") == 0
+
+    second = [
+        {"prompt": shared + c},
+        {"prompt": shared + c, "salt": "bob"},
+    ]
+    job2 = {
+        **job,
+        "kv_transfer_config": _connector(store, tmp_path / "stats2.json", 16 << 20),
+        "steps": second,
+    }
+    s2 = run_engine(vllm_python, job2, tmp_path, "hybrid2")
+    ref_c = _reference(model, second[0]["prompt"])
+    _assert_matches(s2[0], ref_c, "hybrid engine 2, L3 hit")
+    _assert_matches(s2[1], ref_c, "hybrid engine 2, other tenant")
+    assert _delta(s2, 0, "l3_hit_tokens") == 2 * 128
+    worker = s2[0]["stats"]["worker"]
+    assert worker["loaded_pages"] == 2 and worker["l3_get_failed"] == 0, worker
+    for key in ("l2_hit_tokens", "l3_hit_tokens", "device_hit_tokens"):
+        assert _delta(s2, 1, key) == 0, key
+
+
+@pytest.mark.timeout(3600)  # two engine starts
+def test_sliding_window_model_restores_window_pages(vllm_python: str, tmp_path: Path) -> None:
+    """Gemma-3-like (sliding-window + full-attention groups): the connector saves every
+    full-attention page and the sliding-window pages vLLM still holds when the request
+    ends (the window before its end), and a hit restores both: from L2 once vLLM's own
+    cache is emptied, from L3 in a new process; outputs equal transformers'."""
+    model = _build_gemma3(tmp_path / "gemma3")
+    rng = random.Random(2)
+    shared = _seq(rng, 200)  # 6 whole 32-token pages before the last prompt token
+    a, b, c = ([5, 6, 7], [9, 10, 11], [12, 13, 14])
+    store = tmp_path / "l3"
+    store.mkdir()
+    first = [
+        {"prompt": shared + a},
+        {"prompt": shared + b, "reset_device_cache": True},
+    ]
+    job = {
+        "model": str(model),
+        "block_size": BLOCK,
+        "max_model_len": 512,
+        "kv_transfer_config": _connector(store, tmp_path / "stats1.json", 16 << 20),
+        "steps": first,
+    }
+    s1 = run_engine(vllm_python, job, tmp_path, "window1")
+    for i, step in enumerate(s1):
+        _assert_matches(step, _reference(model, first[i]["prompt"]), f"window engine 1, req {i}")
+    assert s1[0]["stats"]["scheduler"]["unsupported_requests"] == 0
+    assert _delta(s1, 1, "l2_hit_tokens") == 6 * BLOCK
+    assert _delta(s1, 1, "device_hit_tokens") == 0
+
+    job2 = {
+        **job,
+        "kv_transfer_config": _connector(store, tmp_path / "stats2.json", 16 << 20),
+        "steps": [{"prompt": shared + c}],
+    }
+    s2 = run_engine(vllm_python, job2, tmp_path, "window2")
+    _assert_matches(s2[0], _reference(model, shared + c), "window engine 2, L3 hit")
+    assert _delta(s2, 0, "l3_hit_tokens") == 6 * BLOCK
+
+
+@pytest.mark.timeout(1800)  # one engine start
+def test_gated_deltanet_hybrid_l2_hit_equals_uncached(vllm_python: str, tmp_path: Path) -> None:
+    """Qwen3-Next-like (Gated DeltaNet state groups, bfloat16): after vLLM's own cache is
+    emptied, the prefix comes from L2 (attention KV + GDN state) and the output equals the
+    same prompt computed without any hit (another tenant). Tolerance 1e-2 on logprobs:
+    bfloat16 (measured here: equal)."""
+    model = _build_qwen3_next(tmp_path / "qwen3next")
+    rng = random.Random(3)
+    shared = _seq(rng, 700)
+    store = tmp_path / "l3"
+    store.mkdir()
+    steps = [
+        {"prompt": shared + [5, 6, 7]},
+        {"prompt": shared + [9, 10, 11], "reset_device_cache": True},
+        {"prompt": shared + [9, 10, 11], "salt": "uncached"},
+    ]
+    job = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+        "max_model_len": 2048,
+        "kv_transfer_config": _connector(store, tmp_path / "stats.json", 256 << 20),
         "steps": steps,
     }
-    out = run_engine(vllm_python, job, tmp_path, "hybrid")
-    for i, step in enumerate(out):
-        _assert_matches(step, _reference(model, steps[i]["prompt"]), f"hybrid request {i}")
-    stats = out[-1]["stats"]["scheduler"]
-    assert stats["unsupported_requests"] == 2
-    assert stats["l2_hit_tokens"] == stats["l3_hit_tokens"] == stats["saved_pages"] == 0
+    out = run_engine(vllm_python, job, tmp_path, "gdn")
+    stats = out[0]["stats"]["scheduler"]
+    assert stats["unsupported_requests"] == 0 and stats["saved_states"] >= 1, stats
+    hit = _delta(out, 1, "l2_hit_tokens")
+    assert hit > 0 and _delta(out, 1, "device_hit_tokens") == 0
+    for key in ("l2_hit_tokens", "l3_hit_tokens", "device_hit_tokens"):
+        assert _delta(out, 2, key) == 0, key
+    assert out[1]["tokens"] == out[2]["tokens"]
+    for x, y in zip(out[1]["logprobs"], out[2]["logprobs"], strict=True):
+        assert abs(x - y) <= 1e-2

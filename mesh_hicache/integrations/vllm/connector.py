@@ -116,7 +116,7 @@ class MeshHiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning(
                 "MeshHiCacheConnector: groups %s are not all restorable at one boundary; "
                 "the connector reports no hits for this model",
-                [g.spec_kind for g in self.plan.groups],
+                [(g.spec_kind, g.role or "unsupported") for g in self.plan.groups],
             )
         self._num_blocks = kv_cache_config.num_blocks
         self._scheduler: ConnectorScheduler | None = None
@@ -152,6 +152,11 @@ class MeshHiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
+        # Mamba / GDN "align" mode: the exact blocks holding this step's boundary states.
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None)
+        if offers:
+            self._scheduler.boundary_states(offers)
         return MeshHiCacheMetadata(self._scheduler.take_orders())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -199,7 +204,8 @@ class MeshHiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return  # pages are saved when their request finishes (see request_finished_all_groups)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None:
+            self._worker.after_forward()  # boundary states this step's forward wrote
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:

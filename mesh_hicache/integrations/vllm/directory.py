@@ -8,12 +8,13 @@ parallel worker holds the same pages under the same entry ids. LRU by bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class HostEntry:
-    """One page (every KV cache group's blocks of one page) held in L2."""
+    """One page held in L2: the objects of the groups in ``held`` (KV groups: the page's
+    blocks; state groups: the state at the page's end)."""
 
     entry_id: int
     page_hash: bytes
@@ -22,6 +23,8 @@ class HostEntry:
     from_l3: bool
     """True until its first load: a hit on it counts as an L3 hit."""
     pins: int = 0
+    held: set[int] = field(default_factory=set)
+    """Group indices whose objects the workers hold (or will, once this step's saves ran)."""
 
 
 class HostDirectory:
@@ -50,21 +53,19 @@ class HostDirectory:
         if page_hash in self._entries:
             self._entries.move_to_end(page_hash)
 
-    def ready_run(self, page_hashes: list[bytes]) -> int:
-        """How many of ``page_hashes`` from the first are held and ready."""
-        n = 0
-        for h in page_hashes:
-            e = self._entries.get(h)
-            if e is None or not e.ready:
-                break
-            n += 1
-        return n
-
-    def add(self, page_hash: bytes, *, ready: bool, from_l3: bool, pinned: bool) -> HostEntry:
+    def add(
+        self,
+        page_hash: bytes,
+        *,
+        ready: bool,
+        from_l3: bool,
+        pinned: bool,
+        held: set[int] | frozenset[int] = frozenset(),
+    ) -> HostEntry:
         """A new entry for ``page_hash`` (which must not be held), evicting LRU unpinned
         entries beyond the capacity."""
         assert page_hash not in self._entries
-        entry = HostEntry(self._next_id, page_hash, ready, from_l3, 1 if pinned else 0)
+        entry = HostEntry(self._next_id, page_hash, ready, from_l3, 1 if pinned else 0, set(held))
         self._next_id += 1
         self._entries[page_hash] = entry
         self._shrink()
@@ -76,6 +77,9 @@ class HostDirectory:
             return n
         pinned = sum(1 for e in self._entries.values() if e.pins)
         return min(n, max(0, self.capacity - pinned))
+
+    def pin(self, entry: HostEntry) -> None:
+        entry.pins += 1
 
     def unpin(self, entry: HostEntry) -> None:
         assert entry.pins > 0

@@ -7,19 +7,20 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class PageOrder:
-    """One page: its L2 entry, hash, tenant and the vLLM block id of each group (loads and
-    saves; empty for prefetches)."""
+    """One page: its L2 entry, hash, tenant, the vLLM block id of each group (loads and
+    saves; empty for prefetches) and which groups (indices) the order concerns."""
 
     entry_id: int
     page_hash: bytes
     tenant: str
     block_ids: tuple[int, ...] = ()
+    groups: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
 class StepOrders:
-    """The orders of one step, applied by every worker in this order: saves, loads, drops;
-    prefetches run in the background."""
+    """The orders of one step, applied by every worker in this order: saves, loads, drops
+    (before the forward), state saves (after it); prefetches run in the background."""
 
     saves: list[PageOrder] = field(default_factory=list)
     save_request_ids: list[str] = field(default_factory=list)
@@ -31,9 +32,12 @@ class StepOrders:
     drops_to_l3: bool = False
     """Write dropped entries to L3 first (write_back)."""
     prefetches: list[PageOrder] = field(default_factory=list)
+    state_saves: list[PageOrder] = field(default_factory=list)
+    """Boundary states vLLM writes in this step's forward: copied after it
+    (``wait_for_save``), before vLLM may reuse their blocks."""
 
     def empty(self) -> bool:
-        return not (self.saves or self.loads or self.drops or self.prefetches)
+        return not (self.saves or self.loads or self.drops or self.prefetches or self.state_saves)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,9 @@ class SchedulerCounters:
     unsupported_requests: int = 0
     """Requests of a model with a KV cache group the connector cannot restore (no hit)."""
     saved_pages: int = 0
+    """Pages whose KV groups were saved."""
+    saved_states: int = 0
+    """Page-end states (every state group of a hybrid) saved from vLLM's hand-offs."""
     prefetched_pages: int = 0
     prefetch_failed_pages: int = 0
     """Pages an L3 read could not deliver (missing, corrupt, forged): recomputed."""
@@ -32,6 +35,7 @@ class WorkerCounters:
     """Copies and storage traffic of one worker."""
 
     saved_pages: int = 0
+    saved_states: int = 0
     loaded_pages: int = 0
     l3_put_objects: int = 0
     l3_put_failed: int = 0

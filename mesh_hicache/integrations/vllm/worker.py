@@ -1,7 +1,8 @@
 """The connector's worker side: vLLM's KV tensors as the device tier, L2 host copies, L3.
 
 Each worker applies the scheduler's orders for its own shard: copies between vLLM's
-paged blocks and host pages with plain torch indexing along the block dim, writes and
+paged blocks (KV blocks, and the blocks holding Mamba / GDN boundary states) and host
+pages with plain torch indexing along the block dim, writes and
 reads L3 objects under keys that carry its global slice (from the mesh), and reports
 which prefetches arrived. An object that is missing or does not verify is reported as a
 failed prefetch: the scheduler drops the page and vLLM recomputes those tokens.
@@ -13,6 +14,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,65 +69,97 @@ class ConnectorWorker:
         self.tp_size = tp_size
         self.stats_file = stats_file
         self.groups: list[list[LayerCache]] = []
-        self.host: dict[int, list[torch.Tensor]] = {}
+        self.host: dict[int, list[torch.Tensor | None]] = {}
+        """L2: entry id -> one host copy per group (None: that group's object not held)."""
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
         self._report = WorkerReport()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mhc-l3")
         self._finished_saves: set[str] = set()
-        self._entry_orders: dict[int, PageOrder] = {}
+        self._entry_names: dict[int, tuple[bytes, str]] = {}
+        """write_back: entry id -> (page hash, tenant), to write the entry when dropped."""
         self._dropped: set[int] = set()
         self._inflight: set[int] = set()
         """Entries dropped while their prefetch may still run (never stored afterwards)."""
+        self._after_forward: StepOrders | None = None
+        self._step_drops: set[int] = set()
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """Take vLLM's per-layer KV tensors, grouped like the plan's groups."""
+    def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        """Take vLLM's per-layer cache tensors (a tensor, or a list of them for a layer
+        with several state tensors), grouped like the plan's groups."""
         self.groups = []
         for group in self.plan.groups:
             layers = []
             for name in group.layer_names:
-                t = kv_caches[name]
-                layers.append(LayerCache(name, t, find_block_dim(t, num_blocks, name)))
+                value = kv_caches[name]
+                parts = list(value) if isinstance(value, list | tuple) else [value]
+                for j, t in enumerate(parts):
+                    label = name if len(parts) == 1 else f"{name}[{j}]"
+                    layers.append(LayerCache(label, t, find_block_dim(t, num_blocks, label)))
             self.groups.append(layers)
 
     # -- one step -------------------------------------------------------------------------
 
     def apply(self, orders: StepOrders) -> None:
-        """Saves, then loads, then drops (in that order: a load may read a page saved in
-        the same step; a drop never precedes a load of the same step)."""
+        """Before the forward: saves, then loads, then drops (in that order: a load may
+        read a page saved in the same step; a drop never precedes a load of the same
+        step). State saves wait for ``after_forward``."""
         for order in orders.saves:
-            pages = [
-                self._gather(layers, bid)
-                for layers, bid in zip(self.groups, order.block_ids, strict=True)
-            ]
-            self.host[order.entry_id] = pages
-            self.counters.saved_pages += 1
-            if orders.write_l3:
-                self._io.submit(self._put, order, pages)
-            elif orders.drops_to_l3:
-                self._entry_orders[order.entry_id] = order
+            self._save(order, orders)
         self._finished_saves.update(orders.save_request_ids)
         for order in orders.loads:
             held = self.host.get(order.entry_id)
             assert held is not None, f"L2 entry {order.entry_id} is not held by this worker"
-            for layers, bid, page in zip(self.groups, order.block_ids, held, strict=True):
-                self._scatter(layers, bid, page)
-            self.counters.loaded_pages += 1
+            for g in order.groups:
+                page = held[g]
+                assert page is not None, f"L2 entry {order.entry_id} lacks group {g}"
+                self._scatter(self.groups[g], order.block_ids[g], page)
+            if not set(order.groups).isdisjoint(self.plan.kv_groups):
+                self.counters.loaded_pages += 1
+        self._step_drops = set(orders.drops)
         for entry_id in orders.drops:
             with self._lock:
-                dropped = self.host.pop(entry_id, [])
+                dropped = self.host.pop(entry_id, None)
                 if entry_id in self._inflight:
                     self._dropped.add(entry_id)
-            backup = self._entry_orders.pop(entry_id, None)
-            if dropped and backup is not None:
-                self._io.submit(self._put, backup, dropped)
+            name = self._entry_names.pop(entry_id, None)
+            if dropped and name is not None:
+                groups = tuple(g for g, t in enumerate(dropped) if t is not None)
+                backup = PageOrder(entry_id, name[0], name[1], (), groups)
+                self._io.submit(self._put, backup, [dropped[g] for g in groups])  # type: ignore[misc]
         for order in orders.prefetches:
             with self._lock:
                 self._inflight.add(order.entry_id)
             self._io.submit(self._prefetch, order)
+        self._after_forward = orders if orders.state_saves else None
         self.counters.host_pages = len(self.host)
         if not orders.empty():
             self.write_stats()
+
+    def after_forward(self) -> None:
+        """After the forward (vLLM's ``wait_for_save``): copy the boundary states this
+        step's forward wrote."""
+        orders, self._after_forward = self._after_forward, None
+        if orders is None:
+            return
+        for order in orders.state_saves:
+            self._save(order, orders, keep=order.entry_id not in self._step_drops)
+            self.counters.saved_states += 1
+        self.write_stats()
+
+    def _save(self, order: PageOrder, orders: StepOrders, keep: bool = True) -> None:
+        pages = [self._gather(self.groups[g], order.block_ids[g]) for g in order.groups]
+        if keep:
+            with self._lock:
+                held = self.host.setdefault(order.entry_id, [None] * len(self.groups))
+                for g, page in zip(order.groups, pages, strict=True):
+                    held[g] = page
+        if not set(order.groups).isdisjoint(self.plan.kv_groups):
+            self.counters.saved_pages += 1
+        if orders.write_l3 or (orders.drops_to_l3 and not keep):
+            self._io.submit(self._put, order, pages)
+        elif orders.drops_to_l3:
+            self._entry_names[order.entry_id] = (order.page_hash, order.tenant)
 
     def take_finished_saves(self) -> set[str]:
         out, self._finished_saves = self._finished_saves, set()
@@ -158,13 +192,15 @@ class ConnectorWorker:
             row.copy_(page[offset : offset + n].view(row.dtype).view(row.shape))
             offset += n
 
-    def _page_bytes(self) -> list[int]:
-        return [sum(lc.row_bytes for lc in layers) for layers in self.groups]
+    def _group_bytes(self, group: int) -> int:
+        return sum(lc.row_bytes for lc in self.groups[group])
 
     # -- L3 (on the I/O thread) -----------------------------------------------------------
 
     def _keys(self, order: PageOrder) -> list:
-        return self.plan.keys(order.page_hash, order.tenant, self.tp_coord, self.tp_size)
+        return self.plan.keys(
+            order.page_hash, order.tenant, self.tp_coord, self.tp_size, order.groups
+        )
 
     def _put(self, order: PageOrder, pages: list[torch.Tensor]) -> None:
         assert self.storage is not None
@@ -175,7 +211,7 @@ class ConnectorWorker:
 
     def _prefetch(self, order: PageOrder) -> None:
         assert self.storage is not None
-        pages = [torch.empty(n, dtype=torch.uint8) for n in self._page_bytes()]
+        pages = [torch.empty(self._group_bytes(g), dtype=torch.uint8) for g in order.groups]
         try:
             ok = self.storage.get(self._keys(order), pages)
         except Exception as err:  # a failed read is a miss, never an error of the engine
@@ -186,7 +222,9 @@ class ConnectorWorker:
             self.counters.l3_get_objects += sum(ok)
             self.counters.l3_get_failed += len(ok) - sum(ok)
             if good and order.entry_id not in self._dropped:
-                self.host[order.entry_id] = pages
+                held = self.host.setdefault(order.entry_id, [None] * len(self.groups))
+                for g, page in zip(order.groups, pages, strict=True):
+                    held[g] = page
             self._dropped.discard(order.entry_id)
             self._inflight.discard(order.entry_id)
             self._report.prefetched.setdefault(order.entry_id, []).append(good)
