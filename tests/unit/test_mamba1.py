@@ -88,7 +88,7 @@ def test_layout_shards_channels(tp: int) -> None:
         layouts = [
             StateLayout.for_coords(spec, (1, 1, tp), (0, 0, t), "replicate") for t in range(tp)
         ]
-    for t, lay in enumerate(layouts):
+    for lay in layouts:
         assert lay.local_ssm_heads == INNER // tp
         assert lay.local_conv_dim == INNER // tp
         conv, ssm = lay.region("mamba_conv"), lay.region("mamba_ssm")
