@@ -11,7 +11,9 @@ Three families:
   consecutive channels), so a tp shard of the heads is a contiguous block of channels.
   It is the one recurrent family (``RecurrentSpec``): the cache never asks which
   recurrence produced a state. Mamba-2 declares it directly; Gated DeltaNet through
-  :meth:`MambaSpec.gated_deltanet` (its state kept as ``[value_heads, value_dim, key_dim]``).
+  :meth:`MambaSpec.gated_deltanet` (its state kept as ``[value_heads, value_dim, key_dim]``),
+  Mamba-1 through :meth:`MambaSpec.mamba1` (one channel per head: conv ``[d_inner, K-1]``,
+  state ``[d_inner, 1, d_state]``).
   The family's value ``"mamba"`` stays in storage keys for every producer.
 - ``INDEXER`` (optional, sparse attention): per layer a per-token key ``[tokens, key_dim]``,
   paged like KV.
@@ -174,6 +176,35 @@ class MambaSpec:
             num_groups=key_heads,
         )
 
+    @classmethod
+    def mamba1(
+        cls,
+        *,
+        layer_ids: tuple[int, ...],
+        inner: int,
+        state_dim: int,
+        conv_kernel: int,
+        conv_dtype: torch.dtype = torch.float32,
+    ) -> MambaSpec:
+        """The recurrent state of Mamba-1 layers (Jamba, Falcon-Mamba).
+
+        Per layer: a conv state over the ``inner`` (``d_inner``) channels of x,
+        ``[inner, conv_kernel - 1]``, and the selective-scan state, float32, one row of
+        ``state_dim`` per channel (``[inner, 1, state_dim]``: each channel is a head of
+        width 1, so the bytes are those of ``[inner, state_dim]``). TP shards the channels
+        (conv rows and state rows alike, one contiguous block per rank).
+        """
+        return cls(
+            layer_ids=layer_ids,
+            conv_dim=inner,
+            conv_kernel=conv_kernel,
+            num_heads=inner,
+            head_dim=1,
+            state_dim=state_dim,
+            conv_dtype=conv_dtype,
+            ssm_dtype=torch.float32,
+        )
+
     def _check_groups(self) -> None:
         g = self.num_groups
         if not isinstance(g, int) or g < 0 or self.num_heads % g:
@@ -198,7 +229,7 @@ class MambaSpec:
 
 
 RecurrentSpec = MambaSpec
-"""The recurrent family's spec under its general name (Mamba-2, Gated DeltaNet, ...)."""
+"""The recurrent family's spec under its general name (Mamba-2, Gated DeltaNet, Mamba-1)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

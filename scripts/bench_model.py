@@ -4,6 +4,7 @@
     python scripts/bench_model.py --model /models/ckpt --lengths 256 1024 --threads 2
     python scripts/bench_model.py --arch nemotron_h --json out.json
     python scripts/bench_model.py --arch deepseek_v32 --lengths 256 1024   # MLA + DSA
+    python scripts/bench_model.py --arch jamba --lengths 256 1024          # Mamba-1 + MoE
 
 One process, one rank, float32, pinned threads (``--threads``; the process is also
 pinned to that many cores when the OS allows). For each prefill length the two
@@ -45,7 +46,7 @@ from runtime.model import HybridModel, preset  # noqa: E402
 
 ARCHS = (
     "granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35", "deepseek_v32",
-    "gpt_oss", "gemma3",
+    "gpt_oss", "gemma3", "jamba",
 )  # fmt: skip
 
 
@@ -147,6 +148,21 @@ def build_checkpoint(arch: str, directory: Path) -> Path:
             intermediate_size=1536,
         )
         model = transformers.Gemma3ForCausalLM(config)
+    elif arch == "jamba":  # Mamba-1 : attention 3 : 1, MoE every other layer (as Jamba)
+        config = transformers.JambaConfig(
+            **common,
+            num_hidden_layers=len(layers),
+            attn_layer_period=4,
+            attn_layer_offset=3,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=1536,
+            mamba_d_state=16,
+            mamba_expand=2,
+        )
+        model = transformers.JambaForCausalLM(config)
     elif arch == "bamba":
         config = transformers.BambaConfig(
             **common,

@@ -1,10 +1,10 @@
 """Hugging Face checkpoints: one adapter per architecture and a loader.
 
 Supported: the hybrids ``GraniteMoeHybridForCausalLM`` (dense and MoE),
-``BambaForCausalLM``, ``NemotronHForCausalLM``, the Gated DeltaNet and MLA families, and
-the dense attention decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``. Needs ``safetensors``
-(``pip install -e '.[hf]'``)::
+``BambaForCausalLM``, ``NemotronHForCausalLM``, ``JambaForCausalLM`` (Mamba-1), the Gated
+DeltaNet and MLA families, and the dense attention decoders ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``.
+Needs ``safetensors`` (``pip install -e '.[hf]'``)::
 
     ckpt = load_checkpoint("/models/granite-4.0-h-tiny")
     model = HybridModel(ckpt.config, topology, weights=ckpt.weights)

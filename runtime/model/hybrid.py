@@ -26,6 +26,7 @@ from runtime.model.ffn import DenseMLP, MoE
 from runtime.model.gated_attention import GatedAttention, GatedSharedMoE
 from runtime.model.gdn import GatedDeltaNet
 from runtime.model.layers import Attention, Mamba2, RMSNorm
+from runtime.model.mamba1 import Mamba1
 from runtime.model.mla import MLAttention
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
 from runtime.model.state import PageTable, SeqState
@@ -61,7 +62,7 @@ class Layer:
         self.scale = config.residual_scale
         self.blocks: list[tuple[RMSNorm, object]] = []
         self.post_norms: list[RMSNorm | None] = []
-        self.mixer: Attention | MLAttention | Mamba2 | GatedDeltaNet
+        self.mixer: Attention | MLAttention | Mamba2 | GatedDeltaNet | Mamba1
         kinds: dict[str, type[Attention] | type[MLAttention]] = {
             "plain": Attention,
             "gated": GatedAttention,
@@ -69,7 +70,12 @@ class Layer:
             "windowed": WindowedAttention,
         }
         attention = kinds[config.attn_kind]
-        recurrent = GatedDeltaNet if config.ssm_kind == "gdn" else Mamba2
+        recurrents: dict[str, type[Mamba2] | type[GatedDeltaNet] | type[Mamba1]] = {
+            "mamba2": Mamba2,
+            "gdn": GatedDeltaNet,
+            "mamba1": Mamba1,
+        }
+        recurrent = recurrents[config.ssm_kind]
         moe = GatedSharedMoE if config.shared_expert_gate else MoE
         for b in config.layer_blocks()[layer_id]:
             kind, prefix = config.blocks[b], f"blocks.{b}"
@@ -114,7 +120,7 @@ class Layer:
             x = norm(h)
             if isinstance(op, (Attention, MLAttention)):
                 h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp), post)
-            elif isinstance(op, (Mamba2, GatedDeltaNet)):
+            elif isinstance(op, (Mamba2, GatedDeltaNet, Mamba1)):
                 h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp), post)
             else:
                 h = self._add(h, op(x, comms.tp), post)  # type: ignore[operator]
@@ -126,7 +132,7 @@ class Layer:
             x = norm(h)
             if isinstance(op, (Attention, MLAttention)):
                 h = self._add(h, op.decode(x, states, comms.cp, comms.tp), post)
-            elif isinstance(op, (Mamba2, GatedDeltaNet)):
+            elif isinstance(op, (Mamba2, GatedDeltaNet, Mamba1)):
                 # Every cp rank runs the same tokens: the recurrence needs no cp exchange.
                 h = self._add(h, op.decode(x, states, comms.tp), post)
             else:
