@@ -23,6 +23,7 @@ from runtime.checkpoints import (
     gemma3,
     gpt_oss,
     granitemoehybrid,
+    lfm2,
     nemotron_h,
     qwen3_next,
 )
@@ -44,6 +45,7 @@ _ALL: tuple[Adapter, ...] = (
     *dense.ADAPTERS,
     gpt_oss.ADAPTER,
     gemma3.ADAPTER,
+    lfm2.ADAPTER,
 )
 ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))

@@ -27,7 +27,7 @@ MLP = "M"
 MOE = "E"
 MLP_KINDS = ("swiglu", "gelu", "relu2", "geglu", "swiglu_clamp")
 ROUTERS = ("softmax", "sigmoid")
-SSM_KINDS = ("mamba2", "gdn")
+SSM_KINDS = ("mamba2", "gdn", "shortconv")
 ATTN_KINDS = ("plain", "gated", "mla", "windowed")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMERICS_VERSION = 2
@@ -135,7 +135,10 @@ class ModelConfig:
     ssm_kind: str = "mamba2"
     """The recurrent mixer of ``S`` layers: ``mamba2`` or ``gdn`` (Gated DeltaNet: then
     ``ssm_heads``/``ssm_groups`` are the value/key heads, ``ssm_head_dim`` the value and
-    ``ssm_state_dim`` the key head dim; ``runtime.model.gdn``)."""
+    ``ssm_state_dim`` the key head dim; ``runtime.model.gdn``) or ``shortconv`` (LFM2's
+    gated short convolution, ``runtime.model.shortconv``: ``ssm_heads`` is its channels
+    (= ``d_model``), ``ssm_head_dim`` and ``ssm_state_dim`` are 1, ``conv_kernel`` is
+    ``L_cache``; the cache keeps its conv state only)."""
     attn_kind: str = "plain"
     """``plain`` GQA or ``gated`` (Qwen3-Next: per-head output gate, QK RMSNorm)."""
     norm_offset: float = 0.0
@@ -250,6 +253,13 @@ class ModelConfig:
             )
         if self.ssm_kind == "gdn" and not self.ssm_groups:
             raise ValueError("ModelConfig.ssm_kind='gdn' needs ssm_groups (key heads) > 0")
+        if self.ssm_kind == "shortconv" and (
+            self.ssm_groups or self.ssm_head_dim != 1 or self.ssm_state_dim != 1
+        ):
+            raise ValueError(
+                "ModelConfig.ssm_kind='shortconv' needs ssm_groups=0 and "
+                "ssm_head_dim = ssm_state_dim = 1 (ssm_heads is the conv's channels)"
+            )
         if self.attn_kind == "mla":
             self._check_mla()
         elif self.attn_kind == "windowed":
@@ -374,7 +384,10 @@ class ModelConfig:
     @property
     def conv_dim(self) -> int:
         """Conv channels, group-major: group g owns ``[x of its heads, B_g (N), C_g (N)]``
-        (head-major ``[x_h, B_h, C_h]`` with one group per head)."""
+        (head-major ``[x_h, B_h, C_h]`` with one group per head). A short conv: its
+        channels."""
+        if self.ssm_kind == "shortconv":
+            return self.ssm_heads
         return self.ssm_heads * self.ssm_head_dim + 2 * self.num_groups * self.ssm_state_dim
 
     def check_mesh(self, *, tp: int, cp: int, pp: int, page_size: int, cp_kv: str) -> None:
@@ -441,6 +454,13 @@ class ModelConfig:
                 value_heads=self.ssm_heads,
                 key_dim=self.ssm_state_dim,
                 value_dim=self.ssm_head_dim,
+                conv_kernel=self.conv_kernel,
+                conv_dtype=self.dtype,
+            )
+        elif self.ssm_layers and self.ssm_kind == "shortconv":
+            mamba = MambaSpec.short_conv(
+                layer_ids=self.ssm_layers,
+                channels=self.ssm_heads,
                 conv_kernel=self.conv_kernel,
                 conv_dtype=self.dtype,
             )
