@@ -18,7 +18,7 @@ import torch
 from runtime.checkpoints import load_checkpoint
 from runtime.model import HybridModel
 from runtime.model.config import preset
-from tests import checkpoint_cases, deepseek_cases, qwen_cases, window_cases
+from tests import checkpoint_cases, deepseek_cases, lfm2_cases, qwen_cases, window_cases
 
 PAGE = 16
 FAMILIES = (
@@ -28,6 +28,7 @@ FAMILIES = (
     *checkpoint_cases.DENSE_CASES,
     *qwen_cases.CASES,
     *window_cases.CASES,
+    *lfm2_cases.CASES,
     "deepseek_v32",
     "deepseek_ties",
 )
@@ -43,6 +44,8 @@ def build_family(name: str, root: Path) -> tuple[HybridModel, Path | None]:
         directory = qwen_cases.build(name, root)
     elif name in window_cases.CASES:
         directory = window_cases.build(name, root)
+    elif name in lfm2_cases.CASES:
+        directory = lfm2_cases.build(name, root)
     elif name == "deepseek_v32":
         directory = deepseek_cases.build(root)
     else:

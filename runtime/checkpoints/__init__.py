@@ -1,7 +1,8 @@
 """Hugging Face checkpoints: one adapter per architecture and a loader.
 
 Supported: the hybrids ``GraniteMoeHybridForCausalLM`` (dense and MoE),
-``BambaForCausalLM``, ``NemotronHForCausalLM``, the Gated DeltaNet and MLA families, and
+``BambaForCausalLM``, ``NemotronHForCausalLM``, the Gated DeltaNet and MLA families,
+LFM2's short convolutions (``Lfm2ForCausalLM``), and
 the dense attention decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``. Needs ``safetensors``
 (``pip install -e '.[hf]'``)::

@@ -32,9 +32,7 @@ def _spec(dtype: torch.dtype = torch.float32) -> StateSpec:
 def _layouts(spec: StateSpec, tp: int) -> list[StateLayout]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [
-            StateLayout.for_coords(spec, (1, 1, tp), (0, 0, t), "replicate") for t in range(tp)
-        ]
+        return [StateLayout.for_coords(spec, (1, 1, tp), (0, 0, t), "replicate") for t in range(tp)]
 
 
 def test_short_conv_declares_a_conv_state_only() -> None:
