@@ -192,8 +192,9 @@ def indexer_region(spec: StateSpec, pos: RankPosition, layers: RegionLayers) -> 
 
 def mamba_regions(
     spec: StateSpec, pos: RankPosition, layers: RegionLayers
-) -> tuple[RegionLayout, RegionLayout]:
-    """The ``mamba_conv`` ``[L, C, K-1]`` and ``mamba_ssm`` ``[L, H, P, N]`` slot regions."""
+) -> tuple[RegionLayout, ...]:
+    """The ``mamba_conv`` ``[L, C, K-1]`` and ``mamba_ssm`` ``[L, H, P, N]`` slot regions
+    (the conv region only for a spec without a recurrent state: ``recurrent=False``)."""
     m = spec.mamba
     assert m is not None
     pp, _, tp = pos.shape
@@ -215,6 +216,8 @@ def mamba_regions(
         is_writer=writer,
         local_layer_ids=layers.ids,
     )
+    if not m.recurrent:
+        return (conv,)
     ssm = RegionLayout(
         name=RegionName.MAMBA_SSM,
         family=Family.MAMBA,

@@ -15,6 +15,8 @@ Three families:
   Mamba-1 through :meth:`MambaSpec.mamba1` (one channel per head: conv ``[d_inner, K-1]``,
   state ``[d_inner, 1, d_state]``).
   The family's value ``"mamba"`` stays in storage keys for every producer.
+  A short convolution (LFM2) declares a conv state only (:meth:`MambaSpec.short_conv`,
+  ``recurrent=False``): no recurrent tensor is allocated, copied or stored.
 - ``INDEXER`` (optional, sparse attention): per layer a per-token key ``[tokens, key_dim]``,
   paged like KV.
 
@@ -119,10 +121,17 @@ class MambaSpec:
     ``conv_dim == num_heads*head_dim + 2*num_groups*state_dim`` with channels group-major
     (per group: the x of its heads, then its B, then its C); under tp the groups are
     sharded when ``num_groups >= tp`` and replicated (one per tp rank) otherwise."""
+    recurrent: bool = True
+    """False: the layers keep a conv state only (a short convolution): no recurrent
+    ``[num_heads, head_dim, state_dim]`` tensor is allocated, copied or stored; the
+    ``mamba_ssm`` region does not exist. ``head_dim`` / ``state_dim`` then only size the
+    tp split (:meth:`short_conv` sets them to 1)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
         _check_layers("MambaSpec", self.layer_ids)
+        if not isinstance(self.recurrent, bool):
+            raise ValueError(f"MambaSpec.recurrent must be a bool, got {self.recurrent!r}")
         if self.num_groups:
             self._check_groups()
         _check_positive(
@@ -203,6 +212,33 @@ class MambaSpec:
             state_dim=state_dim,
             conv_dtype=conv_dtype,
             ssm_dtype=torch.float32,
+        )
+
+    @classmethod
+    def short_conv(
+        cls,
+        *,
+        layer_ids: tuple[int, ...],
+        channels: int,
+        conv_kernel: int,
+        conv_dtype: torch.dtype = torch.float32,
+    ) -> MambaSpec:
+        """The state of short-convolution layers (LFM2's gated depthwise conv).
+
+        Per layer only a conv state ``[channels, conv_kernel - 1]`` (the last inputs of the
+        causal depthwise conv, ``conv_kernel`` being LFM2's ``L_cache``); no recurrent
+        state. Every channel is its own "head" of width 1, so tp shards the channels into
+        contiguous blocks (``channels`` divisible by tp).
+        """
+        return cls(
+            layer_ids=layer_ids,
+            conv_dim=channels,
+            conv_kernel=conv_kernel,
+            num_heads=channels,
+            head_dim=1,
+            state_dim=1,
+            conv_dtype=conv_dtype,
+            recurrent=False,
         )
 
     def _check_groups(self) -> None:

@@ -282,7 +282,8 @@ class RequestRun:
             else:
                 assert req.mamba_slot is not None
                 state.conv[layer] = pools.conv(layer)[req.mamba_slot].clone()
-                state.ssm[layer] = pools.ssm(layer)[req.mamba_slot].clone()
+                if layer in state.ssm:  # a short conv keeps no recurrent state
+                    state.ssm[layer] = pools.ssm(layer)[req.mamba_slot].clone()
         state.num_tokens = n
         return state
 
@@ -421,7 +422,8 @@ class RequestRun:
         pools, state = self.cache.device, self.state
         for layer, conv in state.conv.items():
             pools.conv(layer)[slot] = conv
-            pools.ssm(layer)[slot] = state.ssm[layer]
+            if layer in state.ssm:
+                pools.ssm(layer)[slot] = state.ssm[layer]
 
     def _write_kv(self, start: int, end: int) -> None:
         """Copy the K/V (MLA: latent and indexer keys) of positions ``[start, end)`` from

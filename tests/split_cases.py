@@ -18,7 +18,14 @@ import torch
 from runtime.checkpoints import load_checkpoint
 from runtime.model import HybridModel
 from runtime.model.config import preset
-from tests import checkpoint_cases, deepseek_cases, jamba_cases, qwen_cases, window_cases
+from tests import (
+    checkpoint_cases,
+    deepseek_cases,
+    jamba_cases,
+    lfm2_cases,
+    qwen_cases,
+    window_cases,
+)
 
 PAGE = 16
 FAMILIES = (
@@ -29,6 +36,7 @@ FAMILIES = (
     *qwen_cases.CASES,
     *window_cases.CASES,
     *jamba_cases.CASES,
+    *lfm2_cases.CASES,
     "deepseek_v32",
     "deepseek_ties",
 )
@@ -46,6 +54,8 @@ def build_family(name: str, root: Path) -> tuple[HybridModel, Path | None]:
         directory = window_cases.build(name, root)
     elif name in jamba_cases.CASES:
         directory = jamba_cases.build(name, root)
+    elif name in lfm2_cases.CASES:
+        directory = lfm2_cases.build(name, root)
     elif name == "deepseek_v32":
         directory = deepseek_cases.build(root)
     else:

@@ -82,7 +82,8 @@ class DevicePools:
             conv = (len(ids), num_slots, layout.local_conv_dim, m.conv_kernel - 1)
             ssm = (len(ids), num_slots, layout.local_ssm_heads, m.head_dim, m.state_dim)
             self._conv = torch.zeros(conv, dtype=m.conv_dtype, device=self.device)
-            self._ssm = torch.zeros(ssm, dtype=m.ssm_dtype, device=self.device)
+            if m.recurrent:  # a short convolution keeps no recurrent state
+                self._ssm = torch.zeros(ssm, dtype=m.ssm_dtype, device=self.device)
 
     def _init_arena(self, plan: ArenaPlan) -> None:
         layout = self.layout
@@ -145,6 +146,9 @@ class DevicePools:
 
     def ssm(self, layer_id: int) -> torch.Tensor:
         """SSM states of ``layer_id``: ``[num_slots, H_ssm, D_ssm, N]``."""
+        m = self.layout.spec.mamba
+        if m is not None and not m.recurrent:
+            raise ValueError(f"layer {layer_id} keeps a conv state only (no recurrent state)")
         return self._ssm[self._row(Family.MAMBA, layer_id)]
 
     @property

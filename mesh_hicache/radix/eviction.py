@@ -176,6 +176,7 @@ class CostModel:
         if mamba is not None:
             conv = mamba.conv_dim * (mamba.conv_kernel - 1) * mamba.conv_dtype.itemsize
             ssm = mamba.num_heads * mamba.head_dim * mamba.state_dim * mamba.ssm_dtype.itemsize
+            ssm *= mamba.recurrent
             state = len(mamba.layer_ids) * (conv + ssm)
             h = max(h, mamba.num_heads * mamba.head_dim)
         per_key = 4.0 * h * (len(kv.layer_ids) if kv is not None else 0)

@@ -108,6 +108,8 @@ def build_segments(
             row = host.region(RegionName.MAMBA_CONV).layer_row(layer)
             conv = host.local(RegionName.MAMBA_CONV)[:, row]
             out.append(_segment(pos, "conv", False, dev.conv(layer), conv))
+            if not host.layout.has_region(RegionName.MAMBA_SSM):  # conv state only
+                continue
             row = host.region(RegionName.MAMBA_SSM).layer_row(layer)
             ssm = host.local(RegionName.MAMBA_SSM)[:, row]
             out.append(_segment(pos, "ssm", False, dev.ssm(layer), ssm))

@@ -2,9 +2,10 @@
 
 Supported: the hybrids ``GraniteMoeHybridForCausalLM`` (dense and MoE),
 ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``JambaForCausalLM`` (Mamba-1), the Gated
-DeltaNet and MLA families, and the dense attention decoders ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``.
-Needs ``safetensors`` (``pip install -e '.[hf]'``)::
+DeltaNet and MLA families, LFM2's short convolutions (``Lfm2ForCausalLM``), the windowed
+``GptOssForCausalLM`` and ``Gemma3ForCausalLM``, and the dense attention decoders
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``Qwen3MoeForCausalLM``. Needs ``safetensors`` (``pip install -e '.[hf]'``)::
 
     ckpt = load_checkpoint("/models/granite-4.0-h-tiny")
     model = HybridModel(ckpt.config, topology, weights=ckpt.weights)

@@ -24,6 +24,7 @@ from runtime.checkpoints import (
     gpt_oss,
     granitemoehybrid,
     jamba,
+    lfm2,
     nemotron_h,
     qwen3_next,
 )
@@ -46,6 +47,7 @@ _ALL: tuple[Adapter, ...] = (
     gpt_oss.ADAPTER,
     gemma3.ADAPTER,
     jamba.ADAPTER,
+    lfm2.ADAPTER,
 )
 ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))

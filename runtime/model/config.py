@@ -27,7 +27,7 @@ MLP = "M"
 MOE = "E"
 MLP_KINDS = ("swiglu", "gelu", "relu2", "geglu", "swiglu_clamp")
 ROUTERS = ("softmax", "sigmoid")
-SSM_KINDS = ("mamba2", "gdn", "mamba1")
+SSM_KINDS = ("mamba2", "gdn", "mamba1", "shortconv")
 ATTN_KINDS = ("plain", "gated", "mla", "windowed")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMERICS_VERSION = 2
@@ -135,9 +135,12 @@ class ModelConfig:
     ssm_kind: str = "mamba2"
     """The recurrent mixer of ``S`` layers: ``mamba2`` or ``gdn`` (Gated DeltaNet: then
     ``ssm_heads``/``ssm_groups`` are the value/key heads, ``ssm_head_dim`` the value and
-    ``ssm_state_dim`` the key head dim; ``runtime.model.gdn``) or ``mamba1`` (Jamba's
+    ``ssm_state_dim`` the key head dim; ``runtime.model.gdn``), ``mamba1`` (Jamba's
     selective scan, ``runtime.model.mamba1``: ``ssm_heads`` is ``d_inner``, one channel per
-    head, ``ssm_head_dim`` 1, ``ssm_groups`` 0, conv over x only)."""
+    head, ``ssm_head_dim`` 1, ``ssm_groups`` 0, conv over x only) or ``shortconv`` (LFM2's
+    gated short convolution, ``runtime.model.shortconv``: ``ssm_heads`` is its channels
+    (= ``d_model``), ``ssm_head_dim`` and ``ssm_state_dim`` are 1, ``conv_kernel`` is
+    ``L_cache``; the cache keeps its conv state only)."""
     ssm_dt_rank: int = 0
     """``mamba1``: rank of the low-rank step projection (``x_proj`` -> ``dt_proj``)."""
     attn_kind: str = "plain"
@@ -261,6 +264,13 @@ class ModelConfig:
                 "ModelConfig.ssm_kind='mamba1' needs ssm_head_dim=1 (one channel per head), "
                 f"ssm_groups=0 and ssm_dt_rank > 0; got {self.ssm_head_dim}, "
                 f"{self.ssm_groups}, {self.ssm_dt_rank}"
+            )
+        if self.ssm_kind == "shortconv" and (
+            self.ssm_groups or self.ssm_head_dim != 1 or self.ssm_state_dim != 1
+        ):
+            raise ValueError(
+                "ModelConfig.ssm_kind='shortconv' needs ssm_groups=0 and "
+                "ssm_head_dim = ssm_state_dim = 1 (ssm_heads is the conv's channels)"
             )
         if self.attn_kind == "mla":
             self._check_mla()
@@ -386,8 +396,9 @@ class ModelConfig:
     @property
     def conv_dim(self) -> int:
         """Conv channels, group-major: group g owns ``[x of its heads, B_g (N), C_g (N)]``
-        (head-major ``[x_h, B_h, C_h]`` with one group per head). Mamba-1: x only."""
-        if self.ssm_kind == "mamba1":
+        (head-major ``[x_h, B_h, C_h]`` with one group per head). Mamba-1: x only; a
+        short conv: its channels."""
+        if self.ssm_kind in ("mamba1", "shortconv"):
             return self.ssm_heads
         return self.ssm_heads * self.ssm_head_dim + 2 * self.num_groups * self.ssm_state_dim
 
@@ -463,6 +474,13 @@ class ModelConfig:
                 layer_ids=self.ssm_layers,
                 inner=self.ssm_heads,
                 state_dim=self.ssm_state_dim,
+                conv_kernel=self.conv_kernel,
+                conv_dtype=self.dtype,
+            )
+        elif self.ssm_layers and self.ssm_kind == "shortconv":
+            mamba = MambaSpec.short_conv(
+                layer_ids=self.ssm_layers,
+                channels=self.ssm_heads,
                 conv_kernel=self.conv_kernel,
                 conv_dtype=self.dtype,
             )

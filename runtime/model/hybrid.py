@@ -29,9 +29,12 @@ from runtime.model.layers import Attention, Mamba2, RMSNorm
 from runtime.model.mamba1 import Mamba1
 from runtime.model.mla import MLAttention
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
+from runtime.model.shortconv import ShortConv
 from runtime.model.state import PageTable, SeqState
 from runtime.model.weights import SeededWeights, WeightSource
 from runtime.model.windowed import WindowedAttention
+
+RECURRENT_MIXERS = (Mamba2, GatedDeltaNet, Mamba1, ShortConv)
 
 
 def norm_weight(weights: WeightSource, name: str, config: ModelConfig) -> Tensor:
@@ -62,7 +65,7 @@ class Layer:
         self.scale = config.residual_scale
         self.blocks: list[tuple[RMSNorm, object]] = []
         self.post_norms: list[RMSNorm | None] = []
-        self.mixer: Attention | MLAttention | Mamba2 | GatedDeltaNet | Mamba1
+        self.mixer: Attention | MLAttention | Mamba2 | GatedDeltaNet | Mamba1 | ShortConv
         kinds: dict[str, type[Attention] | type[MLAttention]] = {
             "plain": Attention,
             "gated": GatedAttention,
@@ -70,10 +73,13 @@ class Layer:
             "windowed": WindowedAttention,
         }
         attention = kinds[config.attn_kind]
-        recurrents: dict[str, type[Mamba2] | type[GatedDeltaNet] | type[Mamba1]] = {
+        recurrents: dict[
+            str, type[Mamba2] | type[GatedDeltaNet] | type[Mamba1] | type[ShortConv]
+        ] = {
             "mamba2": Mamba2,
             "gdn": GatedDeltaNet,
             "mamba1": Mamba1,
+            "shortconv": ShortConv,
         }
         recurrent = recurrents[config.ssm_kind]
         moe = GatedSharedMoE if config.shared_expert_gate else MoE
@@ -120,7 +126,7 @@ class Layer:
             x = norm(h)
             if isinstance(op, (Attention, MLAttention)):
                 h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp), post)
-            elif isinstance(op, (Mamba2, GatedDeltaNet, Mamba1)):
+            elif isinstance(op, RECURRENT_MIXERS):
                 h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp), post)
             else:
                 h = self._add(h, op(x, comms.tp), post)  # type: ignore[operator]
@@ -132,7 +138,7 @@ class Layer:
             x = norm(h)
             if isinstance(op, (Attention, MLAttention)):
                 h = self._add(h, op.decode(x, states, comms.cp, comms.tp), post)
-            elif isinstance(op, (Mamba2, GatedDeltaNet, Mamba1)):
+            elif isinstance(op, RECURRENT_MIXERS):
                 # Every cp rank runs the same tokens: the recurrence needs no cp exchange.
                 h = self._add(h, op.decode(x, states, comms.tp), post)
             else:
@@ -229,9 +235,10 @@ class HybridModel:
                 state.conv[mixer.layer_id] = torch.zeros(
                     channels, c.conv_kernel - 1, dtype=c.dtype, device=self.device
                 )
-                state.ssm[mixer.layer_id] = torch.zeros(
-                    layout.local_ssm_heads, c.ssm_head_dim, c.ssm_state_dim, device=self.device
-                )
+                if c.ssm_kind != "shortconv":  # a short conv keeps its conv window only
+                    state.ssm[mixer.layer_id] = torch.zeros(
+                        layout.local_ssm_heads, c.ssm_head_dim, c.ssm_state_dim, device=self.device
+                    )
         return state
 
     def paged_state(
@@ -275,7 +282,8 @@ class HybridModel:
         if slot is not None:
             for lid, conv in state.conv.items():
                 state.conv[lid] = pools.conv(lid)[slot].to(conv.dtype).clone()
-                state.ssm[lid] = pools.ssm(lid)[slot].to(torch.float32).clone()
+                if lid in state.ssm:
+                    state.ssm[lid] = pools.ssm(lid)[slot].to(torch.float32).clone()
         return state
 
     # -- forward ------------------------------------------------------------------------------

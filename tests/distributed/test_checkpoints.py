@@ -65,7 +65,7 @@ def _body(mesh, directory: str, cp_kv: str, prefix: int) -> dict:
 def _conv_rows(config, tp: int, rank: int) -> list[int]:
     """One-rank (group-major) conv channels that tp rank ``rank`` keeps, in its order."""
     c = config
-    if c.ssm_kind == "mamba1":  # x channels only, one contiguous block per rank
+    if c.ssm_kind in ("mamba1", "shortconv"):  # one channel per head, no groups
         return list(range(*tp_split(c.ssm_heads, tp, rank)))
     p, n, per = c.ssm_head_dim, c.ssm_state_dim, c.ssm_heads // c.num_groups
     width = per * p + 2 * n
