@@ -240,7 +240,9 @@ class WindowSpec:
         _check_layers("WindowSpec", self.layer_ids)
         _check_positive("WindowSpec", window=self.window)
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
-            raise ValueError(f"WindowSpec.sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
+            raise ValueError(
+                f"WindowSpec.sink_tokens must be an int >= 0, got {self.sink_tokens!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

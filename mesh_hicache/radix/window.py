@@ -76,9 +76,7 @@ def resumable(
 ) -> bool:
     """Whether every group's pages that a resume at ``boundary`` needs are ``present``
     (page indices of the path whose windowed K/V is held on some tier)."""
-    return all(
-        all(p in present for p in boundary_pages(boundary, page_size, g)) for g in groups
-    )
+    return all(all(p in present for p in boundary_pages(boundary, page_size, g)) for g in groups)
 
 
 def _default_boundary(node: TreeNode) -> bool:

@@ -88,9 +88,7 @@ def test_hit_needs_every_group() -> None:
 
 def test_window_spec_validation() -> None:
     kv = KVSpec(layer_ids=(0, 1, 2, 3), num_kv_heads=2, head_dim=4)
-    spec = StateSpec(
-        page_size=4, kv=kv, windows=(group(8, layers=(0, 2)),), model_id="window-test"
-    )
+    spec = StateSpec(page_size=4, kv=kv, windows=(group(8, layers=(0, 2)),), model_id="window-test")
     assert spec.layer_window(2) == group(8, layers=(0, 2))
     assert spec.layer_window(1) is None
     with pytest.raises(ValueError, match="kv"):
