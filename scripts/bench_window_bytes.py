@@ -17,8 +17,10 @@ held). For the page-level rule (``mesh_hicache.radix.window``: a windowed page k
 while any boundary's window needs it, with the leaves as the boundaries) it also reports
 ``held_bytes``'s ratio on the ``full`` run's final tree.
 
-    python scripts/bench_window_bytes.py --shape chat --sessions 300 --seed 0 \\
+    python scripts/bench_window_bytes.py --shape chat --seed 0 \\
         --device-bytes 1GB,2GB,5GB --page-size 16 --json window_bytes.json
+
+``--host-bytes`` adds an L2 of that budget to both (write-back).
 
 The profile is gpt-oss-20b's shape (24 layers alternating 128-token sliding-window and
 full attention, 8 KV heads of 64, bf16, 32 experts top-4); ``--window`` and
@@ -108,8 +110,9 @@ def gpt_oss_spec(page_size: int, window: int, sinks: int) -> StateSpec:
 def run(
     args: argparse.Namespace, prof: ModelProfile, trace: list[Any], budget: int, windowed: bool
 ) -> dict[str, Any]:
+    host = parse_bytes(args.host_bytes) if args.host_bytes else 0
     cache = budget_cache(
-        one_rank_topology(), prof, args.page_size, budget, policy=args.policy, split="arena"
+        one_rank_topology(), prof, args.page_size, budget, host, policy=args.policy, split="arena"
     )
     player = Replayer(cache)
     tree = internals(cache).tree
@@ -144,9 +147,10 @@ def run(
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="chat", help="trace shape (chat, long-replies, agent)")
-    p.add_argument("--sessions", type=int, default=300)
+    p.add_argument("--sessions", type=int, default=None, help="default: the shape's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-bytes", default="1GB,2GB,5GB", help="comma-separated L1 budgets")
+    p.add_argument("--host-bytes", default="", help="L2 budget (default: no L2)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--window", type=int, default=WINDOW)
     p.add_argument("--sink-tokens", type=int, default=0)
@@ -157,7 +161,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    trace = make_trace(trace_shape(args.shape, sessions=args.sessions), seed=args.seed)
+    overrides = {} if args.sessions is None else {"sessions": args.sessions}
+    trace = make_trace(trace_shape(args.shape, **overrides), seed=args.seed)
     budgets = [parse_bytes(b) for b in args.device_bytes.split(",")]
     ps = args.page_size
     wp = window_pages(ps, args.window, args.sink_tokens)

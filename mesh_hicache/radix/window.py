@@ -14,8 +14,9 @@ groups (nothing here knows a model):
 - :func:`live_pages` / :func:`freeable_pages`: on one path with several cached
   boundaries, the pages some boundary still needs, and the others, which can be freed
   first (or never written to L2/L3);
-- :func:`resumable`: a hit at ``b`` is allowed only where every group's needed pages are
-  present (the full-attention KV and any recurrent state are checked by the tree as before);
+- :func:`resumable` / :func:`deepest_resumable`: a hit at ``b`` is allowed only where
+  every group's needed pages are present (the full-attention KV and any recurrent state
+  are checked by the tree as before); on a matched path, the deepest such boundary;
 - :func:`tree_window_pages` / :func:`held_bytes`: over a tree, the pages each node keeps
   for the boundaries below and at it, and the bytes that holds compared with treating the
   windowed layers as full attention.
@@ -77,6 +78,16 @@ def resumable(
     """Whether every group's pages that a resume at ``boundary`` needs are ``present``
     (page indices of the path whose windowed K/V is held on some tier)."""
     return all(all(p in present for p in boundary_pages(boundary, page_size, g)) for g in groups)
+
+
+def deepest_resumable(
+    boundaries: Iterable[int], present: Container[int], page_size: int, groups: Sequence[WindowSpec]
+) -> int:
+    """The deepest of a matched path's candidate ``boundaries`` (token counts, e.g. the
+    ends of the nodes that hold the full-attention KV and any state) at which
+    :func:`resumable` holds; 0 (recompute from the start) when none does."""
+    ok = [b for b in boundaries if resumable(b, present, page_size, groups)]
+    return max(ok, default=0)
 
 
 def _default_boundary(node: TreeNode) -> bool:

@@ -13,6 +13,7 @@ from mesh_hicache.radix.window import (
     freeable_pages,
     held_bytes,
     live_pages,
+    deepest_resumable,
     needed_tokens,
     resumable,
     tree_window_pages,
@@ -84,6 +85,18 @@ def test_hit_needs_every_group() -> None:
     assert not resumable(24, present, ps, [local, wide])  # wide needs [11, 24): pages 2..5
     assert resumable(24, present | {2}, ps, [wide])
     assert not resumable(24, present, ps, [group(4, sinks=1)])  # sink page 0 missing
+
+
+def test_deepest_resumable_boundary_on_a_path() -> None:
+    ps, g = 4, group(8)
+    # Pages 0..7 of a path; the windowed rows of pages 2, 3 were freed (no boundary at 16).
+    present = {0, 1, 4, 5, 6, 7}
+    assert deepest_resumable([8, 16, 24, 32], present, ps, [g]) == 32
+    # Without page 7, 32 is out (needs [25, 32): pages 6, 7); 24 needs 4, 5: held.
+    assert deepest_resumable([8, 16, 24, 32], present - {7}, ps, [g]) == 24
+    # 16 needs pages 2, 3: never resumable here; 8 needs 0, 1.
+    assert deepest_resumable([8, 16], present, ps, [g]) == 8
+    assert deepest_resumable([16], present, ps, [g]) == 0
 
 
 def test_window_spec_validation() -> None:
