@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-import bench_common  # noqa: F401  (puts the repository on sys.path)
+import bench_common
 import torch
 from bench_hitrate import one_rank_topology, parse_bytes
 
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         page_size=ps,
     )
     windowed = replace(windowed, name="gpt-oss-20b-windowed")
-    out: dict[str, Any] = {
-        "config": {**vars(args), "requests": len(trace), "window_pages": wp},
+    config = {**vars(args), "requests": len(trace), "window_pages": wp, "profile": "gpt-oss-20b"}
+    results: dict[str, Any] = {
         "full_bytes_per_token": GPT_OSS_20B.kv_bytes_per_token,
         "window_state_bytes": windowed.state_bytes,
         "budgets": {},
@@ -182,29 +182,27 @@ def main(argv: list[str] | None = None) -> int:
     for budget in budgets:
         full = run(args, GPT_OSS_20B, trace, budget, windowed=False)
         win = run(args, windowed, trace, budget, windowed=True)
+        base = full["token_hit_rate"]
         cell = {
             "full": full,
             "window": win,
-            "hit_rate_ratio": win["token_hit_rate"] / full["token_hit_rate"]
-            if full["token_hit_rate"]
-            else 0.0,
+            "hit_rate_ratio": win["token_hit_rate"] / base if base else 0.0,
             "bytes_per_token_ratio": win["bytes_per_cached_token"] / full["bytes_per_cached_token"],
         }
-        out["budgets"][str(budget)] = cell
+        results["budgets"][str(budget)] = cell
         print(
-            f"bench_window_bytes: {budget / 1e9:g} GB: hit rate full {full['token_hit_rate']:.2%}"
-            f" window {win['token_hit_rate']:.2%} ({cell['hit_rate_ratio']:.3f}x); bytes/token "
+            f"bench_window_bytes: {budget / 1e9:g} GB: hit rate full {base:.2%} window "
+            f"{win['token_hit_rate']:.2%} ({cell['hit_rate_ratio']:.3f}x); bytes/token "
             f"full {full['bytes_per_cached_token']:.0f} window {win['bytes_per_cached_token']:.0f}"
             f" ({cell['bytes_per_token_ratio']:.3f}x); page rule at end "
             f"{full['page_rule_ratio_end']:.3f}x",
             file=sys.stderr,
             flush=True,
         )
-    text = json.dumps(out, indent=2)
+    result = bench_common.make_result("window_bytes", config, results)
+    print(json.dumps(result["results"], indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
+        bench_common.write_json(result, args.json)
     return 0
 
 
