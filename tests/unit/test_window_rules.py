@@ -10,10 +10,10 @@ import torch
 from mesh_hicache.radix import RadixKey, RadixTree
 from mesh_hicache.radix.window import (
     boundary_pages,
+    deepest_resumable,
     freeable_pages,
     held_bytes,
     live_pages,
-    deepest_resumable,
     needed_tokens,
     resumable,
     tree_window_pages,
