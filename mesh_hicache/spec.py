@@ -19,6 +19,10 @@ Three families:
   ``recurrent=False``): no recurrent tensor is allocated, copied or stored.
 - ``INDEXER`` (optional, sparse attention): per layer a per-token key ``[tokens, key_dim]``,
   paged like KV.
+- windowed KV (optional, ``StateSpec.windows``): groups of KV layers with a sliding window
+  (and optional sink tokens), one :class:`WindowSpec` per group. A resume at a prefix
+  boundary needs their K/V of only the last ``window - 1`` tokens and the sinks
+  (:mod:`mesh_hicache.window` holds the rules). Their K/V shapes are the KV family's.
 
 Layer ids are global model layer indices; the ids of all families together are exactly
 ``range(num_layers)`` (a hybrid model: some layers attention, the others SSM). KV and
@@ -285,6 +289,30 @@ class IndexerSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class WindowSpec:
+    """A group of sliding-window attention layers: a query at position ``p`` sees the keys
+    at ``p - window < k <= p`` and the first ``sink_tokens`` keys. Their K/V have the KV
+    family's shapes (the layers are a subset of ``StateSpec.kv.layer_ids``)."""
+
+    layer_ids: tuple[int, ...]
+    """Global ids of the group's layers, strictly increasing."""
+    window: int
+    """Keys a query sees, itself included (gpt-oss: 128; Gemma 3: ``sliding_window``)."""
+    sink_tokens: int = 0
+    """Leading tokens every query also sees (StreamingLLM-style sinks; learned per-head
+    sink logits, as gpt-oss has, are weights, not tokens: 0)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
+        _check_layers("WindowSpec", self.layer_ids)
+        _check_positive("WindowSpec", window=self.window)
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(
+                f"WindowSpec.sink_tokens must be an int >= 0, got {self.sink_tokens!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StateSpec:
     """All state families of one model. At least one of ``kv`` / ``mamba`` is required."""
 
@@ -293,6 +321,8 @@ class StateSpec:
     kv: KVSpec | None = None
     mamba: MambaSpec | None = None
     indexer: IndexerSpec | None = None
+    windows: tuple[WindowSpec, ...] = ()
+    """Sliding-window groups among the KV layers (disjoint; empty: every KV layer is full)."""
     model_id: str = ""
     """Required: names the exact weights (part of every storage key). Derive it from a
     checkpoint directory with ``mesh_hicache.identity.checkpoint_model_id(dir)``; it must
@@ -324,12 +354,36 @@ class StateSpec:
                 f"StateSpec.indexer.layer_ids {self.indexer.layer_ids} must be attention "
                 f"(kv) layers {sorted(kv_layers)}"
             )
+        self._check_windows(kv_layers)
         layers = kv_layers | mamba_layers
         if layers != set(range(len(layers))):
             raise ValueError(
                 f"StateSpec layer ids {sorted(layers)} must cover range({len(layers)}) exactly"
             )
         object.__setattr__(self, "num_layers", len(layers))
+
+    def _check_windows(self, kv_layers: set[int]) -> None:
+        object.__setattr__(self, "windows", tuple(self.windows))
+        seen: set[int] = set()
+        for group in self.windows:
+            if not isinstance(group, WindowSpec):
+                raise ValueError(f"StateSpec.windows must hold WindowSpec, got {group!r}")
+            ids = set(group.layer_ids)
+            if not ids <= kv_layers or (self.kv is not None and self.kv.mla):
+                raise ValueError(
+                    f"StateSpec.windows layer_ids {group.layer_ids} must be (non-MLA) kv "
+                    f"layers {sorted(kv_layers)}"
+                )
+            if ids & seen:
+                raise ValueError(f"StateSpec.windows overlap at {sorted(ids & seen)}")
+            seen |= ids
+
+    def layer_window(self, layer_id: int) -> WindowSpec | None:
+        """The window group of ``layer_id``; None for a full-attention or SSM layer."""
+        for group in self.windows:
+            if layer_id in group.layer_ids:
+                return group
+        return None
 
     @property
     def families(self) -> tuple[Family, ...]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from mesh_hicache.choices import CpKvMode
-from mesh_hicache.spec import IndexerSpec, KVSpec, MambaSpec, StateSpec
+from mesh_hicache.spec import IndexerSpec, KVSpec, MambaSpec, StateSpec, WindowSpec
 
 ATTENTION = "A"
 SSM = "S"
@@ -496,7 +496,24 @@ class ModelConfig:
                 ssm_dtype=torch.float32,
                 num_groups=self.ssm_groups,
             )
-        return StateSpec(page_size=page_size, kv=kv, mamba=mamba, model_id=self.model_id)
+        return StateSpec(
+            page_size=page_size,
+            kv=kv,
+            mamba=mamba,
+            windows=self.window_groups(),
+            model_id=self.model_id,
+        )
+
+    def window_groups(self) -> tuple[WindowSpec, ...]:
+        """The sliding-window layers, one group per window size (no sink tokens: gpt-oss's
+        sinks are learned logits, not tokens)."""
+        by_window: dict[int, list[int]] = {}
+        for layer, w in enumerate(self.layer_windows):
+            if w:
+                by_window.setdefault(w, []).append(layer)
+        return tuple(
+            WindowSpec(layer_ids=tuple(ids), window=w) for w, ids in sorted(by_window.items())
+        )
 
     @property
     def model_id(self) -> str:

@@ -1,0 +1,47 @@
+"""scripts/bench_window_bytes.py: the windowed profile's bytes and one small replay."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+
+import bench_window_bytes as bench  # noqa: E402
+
+
+def test_window_pages_and_profile_bytes() -> None:
+    # A page-aligned boundary needs [b - 127, b): 8 pages of 16, 9 with one sink token.
+    assert bench.window_pages(16, 128, 0) == 8
+    assert bench.window_pages(16, 128, 1) == 9
+    assert bench.window_pages(16, 129, 0) == 8  # [b - 128, b): exactly 8 pages
+    assert bench.window_pages(16, 130, 0) == 9
+    prof = bench.GPT_OSS_20B
+    assert prof.kv_bytes_per_token == 24 * 2 * 8 * 64 * 2
+    win = bench.WindowedProfile(
+        **{f: getattr(prof, f) for f in prof.__dataclass_fields__},
+        window_layers=12,
+        window_pages=8,
+        page_size=16,
+    )
+    assert win.page_bytes(16) == prof.page_bytes(16) // 2
+    assert win.state_bytes == 8 * 16 * 12 * 2 * 8 * 64 * 2
+
+
+def test_small_replay(tmp_path, capsys) -> None:
+    out = tmp_path / "w.json"
+    argv = ["--sessions", "6", "--device-bytes", "100MB", "--json", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "window_bytes"
+    cell = result["results"]["budgets"]["100000000"]
+    full, win = cell["full"], cell["window"]
+    assert full["bytes_per_cached_token"] == 24 * 2 * 8 * 64 * 2
+    # The windowed layers cost per boundary, not per token: less than full, at least
+    # the full layers' half.
+    assert full["bytes_per_cached_token"] / 2 <= win["bytes_per_cached_token"]
+    assert win["bytes_per_cached_token"] < full["bytes_per_cached_token"]
+    assert 0.5 <= full["page_rule_ratio_end"] <= 1.0
+    assert 0.0 <= full["token_hit_rate"] <= 1.0 and 0.0 <= win["token_hit_rate"] <= 1.0
+    assert win["end_device_states"] > 0
