@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in _TRACE_ONLY:
             action.help = argparse.SUPPRESS
         elif action.dest == "max_new_tokens":
-            action.help = "max_tokens of a request that does not set it"
+            action.default = 16
+            action.help = "max_tokens of a request that does not set it (vLLM's 16)"
         elif action.dest == "concurrency":
             action.default = 8
             action.help = (
@@ -71,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="longest prompt (tokens) a request may send, checked before any work "
         f"(default: the checkpoint's context length, {PRESET_PROMPT_TOKENS} for a preset)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="most tokens of prompt plus answer; a longer prompt is refused, max_tokens is "
+        "clipped to what is left (default: the checkpoint's positions; none for a preset)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -122,6 +130,14 @@ def context_length(checkpoint_dir: Path | None) -> int | None:
 
 
 def prompt_limits(args: argparse.Namespace, context: int | None) -> PromptLimits:
+    """The limits of ``args`` for a checkpoint of ``context`` positions (None: not
+    stated). ``ValueError`` for a ``--max-model-len`` past the checkpoint's positions."""
+    if args.max_model_len is not None:
+        if context is not None and args.max_model_len > context:
+            raise ValueError(
+                f"--max-model-len {args.max_model_len} is past the checkpoint's {context} positions"
+            )
+        context = args.max_model_len
     limit = args.max_prompt_tokens
     if limit is None:
         limit = context if context is not None else PRESET_PROMPT_TOKENS
@@ -171,6 +187,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         )
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if not args.drain_s >= 0:
