@@ -96,11 +96,11 @@ class Engine:
         on_token: TokenHook | None = None,
         sampler: Sampler | None = None,
     ) -> RequestResult:
-        """Greedy-generate up to ``max_new_tokens`` (default: the engine's) after
-        ``prompt`` (at least 1 token). Without ``on_token`` exactly that many tokens; with
-        it, ``on_token(id)`` is called after each generated token and a true result stops
-        there (that token is the last of ``output_ids``; no decode step is spent after
-        it). ``tenant``: the request's cache tenant (None: the cache's; see
+        """Generate (greedy unless ``sampler``) up to ``max_new_tokens`` (default: the
+        engine's) after ``prompt`` (at least 1 token). Without ``on_token`` exactly that
+        many tokens; with it, ``on_token(id)`` is called after each generated token and a
+        true result stops there (that token is the last of ``output_ids``; no decode step
+        is spent after it). ``tenant``: the request's cache tenant (None: the cache's; see
         ``HiCache.match``). ``sampler``: picks the tokens instead of the greedy argmax
         (``runtime.sampling``)."""
         num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens

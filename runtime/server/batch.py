@@ -17,11 +17,12 @@ iteration, the message when the flag says so) are the same on every rank. While 
 is in flight rank 0 waits for a job at most ``heartbeat_s`` before it sends the flag
 anyway: the heartbeat that keeps the other ranks' collective within
 ``--collective-timeout-s``. A request ends at ``max_tokens`` or where its ``StopSpec`` says,
-decided by every rank from its own greedy token (equal on every rank, as for a
-trace's ``stop_token``; stop strings are decoded on every rank alike); rank 0's hook
-also streams each token to the job. An aborted job is released at once and the cache's
-``check_integrity()`` runs as soon as no other request has a transfer in flight (a
-prefetch or load holds host reservations).
+decided by every rank from its own token (equal on every rank: identical logits, and
+a sampled request's seed travels with it; stop strings are decoded on every rank
+alike); rank 0's hook also streams each token (and its log-probabilities) to the job.
+An aborted job is released at once and the cache's ``check_integrity()`` runs as soon
+as no other request has a transfer in flight (a prefetch or load holds host
+reservations).
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ import argparse
 import errno
 import json
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import runtime.serve.main as serve
 from runtime.launch import API_KEY_ENV
 from runtime.serve.flags import HelpFormatter
 from runtime.server.guard import DEFAULT_MAX_BODY_BYTES
-from runtime.server.params import PromptLimits
+from runtime.server.params import ParamError
 
 # serve.py's flags that pick a workload or write a report: meaningless for a server.
 _TRACE_ONLY = (
@@ -193,3 +194,38 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if not args.drain_s >= 0:
         raise ValueError(f"--drain-s must be >= 0 seconds, got {args.drain_s}")
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """How long a request may be: ``max_prompt_tokens`` prompt tokens, and at most
+    ``context`` (``--max-model-len``; None: not stated) prompt plus answer."""
+
+    max_prompt_tokens: int
+    context: int | None = None
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> int:
+        """``max_tokens`` clipped to the context, as vLLM does; ``ParamError`` for a
+        request over a limit (before any work is queued)."""
+        if self.context is not None and prompt_tokens >= self.context:
+            raise ParamError(
+                "prompt",
+                f"this model's maximum context length is {self.context} tokens "
+                f"(--max-model-len); the prompt has {prompt_tokens} tokens, which leaves no "
+                "room for an answer",
+            )
+        if prompt_tokens > self.max_prompt_tokens:
+            raise ParamError(
+                "prompt",
+                f"the prompt has {prompt_tokens} tokens; this server takes at most "
+                f"{self.max_prompt_tokens} (--max-prompt-tokens)",
+            )
+        if self.context is None:
+            return max_tokens
+        if max_tokens > self.context:
+            raise ParamError(
+                "max_tokens",
+                f"'max_tokens'={max_tokens} cannot be greater than the maximum context "
+                f"length {self.context} (--max-model-len)",
+            )
+        return min(max_tokens, self.context - prompt_tokens)

@@ -11,13 +11,17 @@ Endpoints, on ``--host`` (default 127.0.0.1) and ``--port`` (0: a free port, pri
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: the cache's
   ``mesh_hicache_*`` counters of rank 0 and the server's ``mesh_hicache_server_*``).
 
-Decoding is greedy. A request ends after ``max_tokens`` tokens (default
-``--max-new-tokens``; ``finish_reason: "length"``), at the checkpoint's end-of-sequence
-token, at a ``stop_token_ids`` token or where its text contains a ``stop`` string (the
-text is cut before it; streamed text that could start one is held back until it cannot):
-``finish_reason: "stop"``; the engine stops decoding there, on every rank. A field this
-server does not implement (``logprobs``, ``tools``, ``temperature`` other than 0, ``n``
-other than 1...: ``runtime/server/params.py``) is a 400 naming it. ``usage`` reports
+Tokens are picked as vLLM picks them (``runtime/sampling.py``: greedy at
+``temperature`` 0, else sampled with the request's own seeded generator, after
+``logit_bias`` and the penalties); ``n`` choices per prompt and prompt batches become
+one job each. A request ends after ``max_tokens`` tokens (default ``--max-new-tokens``,
+clipped to what ``--max-model-len`` leaves; ``finish_reason: "length"``), at the
+checkpoint's end-of-sequence token, at a ``stop_token_ids`` token or where its text
+contains a ``stop`` string (the text is cut before it; streamed text that could start
+one is held back until it cannot): ``finish_reason: "stop"`` with vLLM's
+``stop_reason``; the engine stops decoding there, on every rank. A field this server
+does not implement (``tools``, ``response_format``, ``suffix``...) or a value outside
+vLLM's range is a 400 naming it (``runtime/server/params.py``). ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served. Every
 choice carries the answer's ``token_ids``. Text in and out needs the checkpoint's
 ``tokenizer.json``; chat uses its chat template (see ``runtime/server/text.py``, also

@@ -505,38 +505,3 @@ def unsupported_names() -> list[str]:
     return sorted(
         name for name, handler in PARAMETERS.items() if handler.__qualname__.startswith("unsup")
     )
-
-
-@dataclass(frozen=True)
-class PromptLimits:
-    """How long a request may be: ``max_prompt_tokens`` prompt tokens, and at most
-    ``context`` (``--max-model-len``; None: not stated) prompt plus answer."""
-
-    max_prompt_tokens: int
-    context: int | None = None
-
-    def check(self, prompt_tokens: int, max_tokens: int) -> int:
-        """``max_tokens`` clipped to the context, as vLLM does; ``ParamError`` for a
-        request over a limit (before any work is queued)."""
-        if self.context is not None and prompt_tokens >= self.context:
-            raise ParamError(
-                "prompt",
-                f"this model's maximum context length is {self.context} tokens "
-                f"(--max-model-len); the prompt has {prompt_tokens} tokens, which leaves no "
-                "room for an answer",
-            )
-        if prompt_tokens > self.max_prompt_tokens:
-            raise ParamError(
-                "prompt",
-                f"the prompt has {prompt_tokens} tokens; this server takes at most "
-                f"{self.max_prompt_tokens} (--max-prompt-tokens)",
-            )
-        if self.context is None:
-            return max_tokens
-        if max_tokens > self.context:
-            raise ParamError(
-                "max_tokens",
-                f"'max_tokens'={max_tokens} cannot be greater than the maximum context "
-                f"length {self.context} (--max-model-len)",
-            )
-        return min(max_tokens, self.context - prompt_tokens)

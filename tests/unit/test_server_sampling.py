@@ -173,6 +173,23 @@ def test_penalties_and_logit_bias_change_the_answer_as_specified(live, engine) -
     assert rewarded.token_ids == [target] * 10
 
 
+def test_one_request_at_a_time_samples_the_same(live, tmp_path_factory, one_rank_topology):
+    """``--concurrency 1`` (``Engine.serve``, no batch): the same seeded answers, choices
+    and log-probabilities as the batched server."""
+    argv = ["--model", str(live.args.model), "--page-size", "4", "--device-pages", "64"]
+    argv += ["--cache", "host", "--concurrency", "1"]
+    single = LiveServer(argv, one_rank_topology)
+    try:
+        kwargs = dict(temperature=1.0, seed=21, n=2, logprobs=2, presence_penalty=0.5)
+        one = _complete(single, **kwargs)
+        many = _complete(live, **kwargs)
+    finally:
+        single.close()
+    assert [c.token_ids for c in one.choices] == [c.token_ids for c in many.choices]
+    for a, b in zip(one.choices, many.choices, strict=True):
+        assert a.logprobs.token_logprobs == pytest.approx(b.logprobs.token_logprobs, abs=1e-4)
+
+
 # -- stopping ---------------------------------------------------------------------------------
 
 

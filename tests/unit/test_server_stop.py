@@ -224,3 +224,35 @@ def test_the_documented_refusals_are_the_table() -> None:
         assert name in names
     for name in ("stop", "max_tokens", "temperature", "logprobs", "n", "echo", "seed"):
         assert name not in names
+
+
+def test_stop_reason_is_the_string_or_the_stop_id_and_null_at_the_end_of_sequence() -> None:
+    by_string = answer_of(CharCodec(), StopSpec(("cd",)), [ord(c) for c in "abcde"])  # type: ignore[arg-type]
+    assert by_string.text == "ab" and by_string.stop_reason == "cd"
+    ids = frozenset({33, 35})
+    by_id = answer_of(CharCodec(), StopSpec((), ids, frozenset({35})), [104, 33])  # type: ignore[arg-type]
+    assert by_id.stop_reason == 33 and by_id.generated == 2
+    by_eos = answer_of(CharCodec(), StopSpec((), ids, frozenset({35})), [104, 35])  # type: ignore[arg-type]
+    assert by_eos.stopped and by_eos.stop_reason is None
+    length = answer_of(CharCodec(), StopSpec(("zz",)), [104])  # type: ignore[arg-type]
+    assert length.finish_reason == "length" and length.stop_reason is None
+
+
+def test_include_stop_keeps_the_string_or_the_stop_token() -> None:
+    spec = StopSpec(("cd",), include_stop=True)
+    deltas, answer = _stream(spec, "abcdef")
+    assert "".join(deltas) == "abcd" == answer.text and answer.stop_reason == "cd"
+    ids = frozenset({33, 35})
+    kept = answer_of(CharCodec(), StopSpec((), ids, frozenset({35}), include_stop=True), [104, 33])  # type: ignore[arg-type]
+    assert kept.text == "h!" and kept.ids == [104, 33]
+    eos = answer_of(CharCodec(), StopSpec((), ids, frozenset({35}), include_stop=True), [104, 35])  # type: ignore[arg-type]
+    assert eos.text == "h" and eos.ids == [104]  # the end of sequence never is
+
+
+def test_min_tokens_ignores_stops_until_reached() -> None:
+    ids = frozenset({33})
+    answer = answer_of(CharCodec(), StopSpec(("b",), ids, min_tokens=3), [33, ord("b"), 97, 33])  # type: ignore[arg-type]
+    # "!" and "b" come before the 3rd token: kept; the 4th token "!" stops.
+    assert answer.text == "!ba" and answer.stop_reason == 33 and answer.generated == 4
+    later = answer_of(CharCodec(), StopSpec(("b",), ids, min_tokens=2), [97, 97, ord("b")])  # type: ignore[arg-type]
+    assert later.text == "aa" and later.stop_reason == "b"
