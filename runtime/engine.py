@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from mesh_hicache.cache import HiCache
 from runtime.model import HybridModel
 from runtime.request_run import RequestResult, RequestRun, TokenHook, stop_at
+from runtime.sampling import Sampler
 from runtime.workloads.generate import Turn
 
 
@@ -93,15 +94,17 @@ class Engine:
         max_new_tokens: int | None = None,
         tenant: str | None = None,
         on_token: TokenHook | None = None,
+        sampler: Sampler | None = None,
     ) -> RequestResult:
-        """Greedy-generate up to ``max_new_tokens`` (default: the engine's) after
-        ``prompt`` (at least 1 token). Without ``on_token`` exactly that many tokens; with
-        it, ``on_token(id)`` is called after each generated token and a true result stops
-        there (that token is the last of ``output_ids``; no decode step is spent after
-        it). ``tenant``: the request's cache tenant (None: the cache's; see
-        ``HiCache.match``)."""
+        """Generate (greedy unless ``sampler``) up to ``max_new_tokens`` (default: the
+        engine's) after ``prompt`` (at least 1 token). Without ``on_token`` exactly that
+        many tokens; with it, ``on_token(id)`` is called after each generated token and a
+        true result stops there (that token is the last of ``output_ids``; no decode step
+        is spent after it). ``tenant``: the request's cache tenant (None: the cache's; see
+        ``HiCache.match``). ``sampler``: picks the tokens instead of the greedy argmax
+        (``runtime.sampling``)."""
         num_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        run = RequestRun(self, prompt, namespace, tenant, num_new, on_token)
+        run = RequestRun(self, prompt, namespace, tenant, num_new, on_token, sampler)
         try:
             self._drive(run)
             return run.finish()

@@ -33,6 +33,7 @@ import torch
 from mesh_hicache.cache import CachedRequest, CacheFull, HiCache
 from mesh_hicache.layout import kv_page_tokens, kv_shard_positions
 from runtime.model import HybridModel, SeqState
+from runtime.sampling import Sampler
 
 
 class EngineParts(Protocol):
@@ -135,6 +136,7 @@ class RequestRun:
         tenant: str | None,
         num_new: int,
         on_token: TokenHook | None,
+        sampler: Sampler | None = None,
     ) -> None:
         if not prompt:
             raise ValueError("prompt must not be empty")
@@ -146,6 +148,8 @@ class RequestRun:
         self.tokens = torch.tensor(self.prompt, dtype=torch.long)
         self.namespace, self.tenant = namespace, tenant
         self.num_new, self.on_token = num_new, on_token
+        self.sampler = sampler
+        """Picks each token (``runtime.sampling``); None: greedy, ``argmax`` of the logits."""
         self.req: CachedRequest | None = None
         self.loaded = False
         self.prefix = 0
@@ -333,7 +337,7 @@ class RequestRun:
         self._take(logits)
 
     def _take(self, logits: torch.Tensor) -> None:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(logits)) if self.sampler is None else self.sampler.pick(logits)
         self.output.append(token)
         self.next_token = None
         stop = self.on_token is not None and self.on_token(token)

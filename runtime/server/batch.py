@@ -17,11 +17,12 @@ iteration, the message when the flag says so) are the same on every rank. While 
 is in flight rank 0 waits for a job at most ``heartbeat_s`` before it sends the flag
 anyway: the heartbeat that keeps the other ranks' collective within
 ``--collective-timeout-s``. A request ends at ``max_tokens`` or where its ``StopSpec`` says,
-decided by every rank from its own greedy token (equal on every rank, as for a
-trace's ``stop_token``; stop strings are decoded on every rank alike); rank 0's hook
-also streams each token to the job. An aborted job is released at once and the cache's
-``check_integrity()`` runs as soon as no other request has a transfer in flight (a
-prefetch or load holds host reservations).
+decided by every rank from its own token (equal on every rank: identical logits, and
+a sampled request's seed travels with it; stop strings are decoded on every rank
+alike); rank 0's hook also streams each token (and its log-probabilities) to the job.
+An aborted job is released at once and the cache's ``check_integrity()`` runs as soon
+as no other request has a transfer in flight (a prefetch or load holds host
+reservations).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from runtime.engine import Engine
 from runtime.request_run import RequestResult, RequestRun, TokenHook
+from runtime.sampling import Sampler, SamplingParams
 from runtime.scheduler import OnlineRequest, Scheduler, SchedulerConfig
 from runtime.server.params import StopSpec
 from runtime.server.worker import (
@@ -44,7 +46,9 @@ from runtime.server.worker import (
     ServerCounters,
     Stopper,
     _Control,
+    sampler_of,
     stop_at_ids,
+    token_event,
     warn_if_too_long_for_l1,
 )
 
@@ -53,8 +57,9 @@ log = logging.getLogger("runtime.server")
 # Rank 0's flag of one iteration.
 _QUIET, _NEWS, _STOP = 0, 1, 2
 
-NewJob = tuple[int, list[int], int, StopSpec]
-"""What the other ranks learn of a joining job: (key, prompt, max_new_tokens, stop)."""
+NewJob = tuple[int, list[int], int, StopSpec, SamplingParams]
+"""What the other ranks learn of a joining job: (key, prompt, max_new_tokens, stop,
+sampling)."""
 
 
 class BatchRun:
@@ -97,17 +102,22 @@ class BatchRun:
             if job is not None:
                 job.emit("done", JobOutcome([], 0, True, None))
             self._check_pending = self.cache is not None
-        for key, prompt, max_new, stop in new:
-            self._submit(key, prompt, max_new, stop)
+        for key, prompt, max_new, stop, sampling in new:
+            self._submit(key, prompt, max_new, stop, sampling)
         self._count()
 
-    def _submit(self, key: int, prompt: list[int], max_new: int, stop: StopSpec) -> None:
+    def _submit(
+        self, key: int, prompt: list[int], max_new: int, stop: StopSpec, sampling: SamplingParams
+    ) -> None:
         job = self.jobs.get(key)
         engine = self.scheduler.engine
         try:
             # The same hook on every rank (only rank 0 has a job to stream to): checkpoint
-            # placement depends on whether a request has one.
-            run = RequestRun(engine, prompt, "", None, max_new, self._hook(job, self.stopper(stop)))
+            # placement depends on whether a request has one. Every rank samples alike
+            # (identical logits, the same seed).
+            sampler = sampler_of(sampling, prompt)
+            hook = self._hook(job, self.stopper(stop), sampler)
+            run = RequestRun(engine, prompt, "", None, max_new, hook, sampler)
         except ValueError as err:  # the same on every rank (replicated checks)
             self.jobs.pop(key, None)
             with self.counters.lock:
@@ -120,10 +130,10 @@ class BatchRun:
         self.scheduler.submit(OnlineRequest(key, run, lambda result: self._finished(key, result)))
 
     @staticmethod
-    def _hook(job: Job | None, ends: Callable[[int], bool]) -> TokenHook:
+    def _hook(job: Job | None, ends: Callable[[int], bool], sampler: Sampler | None) -> TokenHook:
         def on_token(token: int) -> bool:
             if job is not None:
-                job.emit("token", token)
+                job.emit("token", token_event(token, sampler))
             return ends(token)
 
         return on_token
@@ -228,7 +238,7 @@ class BatchWorker(threading.Thread):
                 key = self._next_key
                 self._next_key += 1
                 self.jobs[key] = item
-                new.append((key, item.prompt, item.max_new_tokens, item.stop))
+                new.append((key, item.prompt, item.max_new_tokens, item.stop, item.sampling))
         return new
 
 

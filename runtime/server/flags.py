@@ -8,13 +8,14 @@ import argparse
 import errno
 import json
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import runtime.serve.main as serve
 from runtime.launch import API_KEY_ENV
 from runtime.serve.flags import HelpFormatter
 from runtime.server.guard import DEFAULT_MAX_BODY_BYTES
-from runtime.server.params import PromptLimits
+from runtime.server.params import ParamError
 
 # serve.py's flags that pick a workload or write a report: meaningless for a server.
 _TRACE_ONLY = (
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest in _TRACE_ONLY:
             action.help = argparse.SUPPRESS
         elif action.dest == "max_new_tokens":
-            action.help = "max_tokens of a request that does not set it"
+            action.default = 16
+            action.help = "max_tokens of a request that does not set it (vLLM's 16)"
         elif action.dest == "concurrency":
             action.default = 8
             action.help = (
@@ -71,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="longest prompt (tokens) a request may send, checked before any work "
         f"(default: the checkpoint's context length, {PRESET_PROMPT_TOKENS} for a preset)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="most tokens of prompt plus answer; a longer prompt is refused, max_tokens is "
+        "clipped to what is left (default: the checkpoint's positions; none for a preset)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -122,6 +131,14 @@ def context_length(checkpoint_dir: Path | None) -> int | None:
 
 
 def prompt_limits(args: argparse.Namespace, context: int | None) -> PromptLimits:
+    """The limits of ``args`` for a checkpoint of ``context`` positions (None: not
+    stated). ``ValueError`` for a ``--max-model-len`` past the checkpoint's positions."""
+    if args.max_model_len is not None:
+        if context is not None and args.max_model_len > context:
+            raise ValueError(
+                f"--max-model-len {args.max_model_len} is past the checkpoint's {context} positions"
+            )
+        context = args.max_model_len
     limit = args.max_prompt_tokens
     if limit is None:
         limit = context if context is not None else PRESET_PROMPT_TOKENS
@@ -171,7 +188,44 @@ def check_server_args(args: argparse.Namespace) -> None:
         )
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if not args.drain_s >= 0:
         raise ValueError(f"--drain-s must be >= 0 seconds, got {args.drain_s}")
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """How long a request may be: ``max_prompt_tokens`` prompt tokens, and at most
+    ``context`` (``--max-model-len``; None: not stated) prompt plus answer."""
+
+    max_prompt_tokens: int
+    context: int | None = None
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> int:
+        """``max_tokens`` clipped to the context, as vLLM does; ``ParamError`` for a
+        request over a limit (before any work is queued)."""
+        if self.context is not None and prompt_tokens >= self.context:
+            raise ParamError(
+                "prompt",
+                f"this model's maximum context length is {self.context} tokens "
+                f"(--max-model-len); the prompt has {prompt_tokens} tokens, which leaves no "
+                "room for an answer",
+            )
+        if prompt_tokens > self.max_prompt_tokens:
+            raise ParamError(
+                "prompt",
+                f"the prompt has {prompt_tokens} tokens; this server takes at most "
+                f"{self.max_prompt_tokens} (--max-prompt-tokens)",
+            )
+        if self.context is None:
+            return max_tokens
+        if max_tokens > self.context:
+            raise ParamError(
+                "max_tokens",
+                f"'max_tokens'={max_tokens} cannot be greater than the maximum context "
+                f"length {self.context} (--max-model-len)",
+            )
+        return min(max_tokens, self.context - prompt_tokens)

@@ -11,13 +11,17 @@ Endpoints, on ``--host`` (default 127.0.0.1) and ``--port`` (0: a free port, pri
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: the cache's
   ``mesh_hicache_*`` counters of rank 0 and the server's ``mesh_hicache_server_*``).
 
-Decoding is greedy. A request ends after ``max_tokens`` tokens (default
-``--max-new-tokens``; ``finish_reason: "length"``), at the checkpoint's end-of-sequence
-token, at a ``stop_token_ids`` token or where its text contains a ``stop`` string (the
-text is cut before it; streamed text that could start one is held back until it cannot):
-``finish_reason: "stop"``; the engine stops decoding there, on every rank. A field this
-server does not implement (``logprobs``, ``tools``, ``temperature`` other than 0, ``n``
-other than 1...: ``runtime/server/params.py``) is a 400 naming it. ``usage`` reports
+Tokens are picked as vLLM picks them (``runtime/sampling.py``: greedy at
+``temperature`` 0, else sampled with the request's own seeded generator, after
+``logit_bias`` and the penalties); ``n`` choices per prompt and prompt batches become
+one job each. A request ends after ``max_tokens`` tokens (default ``--max-new-tokens``,
+clipped to what ``--max-model-len`` leaves; ``finish_reason: "length"``), at the
+checkpoint's end-of-sequence token, at a ``stop_token_ids`` token or where its text
+contains a ``stop`` string (the text is cut before it; streamed text that could start
+one is held back until it cannot): ``finish_reason: "stop"`` with vLLM's
+``stop_reason``; the engine stops decoding there, on every rank. A field this server
+does not implement (``tools``, ``response_format``, ``suffix``...) or a value outside
+vLLM's range is a 400 naming it (``runtime/server/params.py``). ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the prompt tokens the cache served. Every
 choice carries the answer's ``token_ids``. Text in and out needs the checkpoint's
 ``tokenizer.json``; chat uses its chat template (see ``runtime/server/text.py``, also
@@ -41,10 +45,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import random
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from aiohttp import web
@@ -66,6 +72,7 @@ from runtime.launch import (
     speaks,
 )
 from runtime.mesh_config import work_config
+from runtime.sampling import TokenLogprobs
 from runtime.scheduler import SchedulerConfig
 from runtime.serve.checks import check_storage_start, label_rank_logs, storage_requested
 from runtime.server.api import Reply, prometheus_text, send_event
@@ -81,7 +88,7 @@ from runtime.server.flags import (
     served_name,
 )
 from runtime.server.guard import BodyError, Guard, error_response, read_json
-from runtime.server.params import ParamError, RequestParams, StopSpec
+from runtime.server.params import MAX_N, ParamError, RequestParams, StopSpec
 from runtime.server.stop import AnswerText, answer_of
 from runtime.server.text import TextCodec
 from runtime.server.worker import (
@@ -195,7 +202,7 @@ class Server:
 
     def stopper(self, stop: StopSpec) -> Callable[[int], bool]:
         """The engine-side end test of a request (every rank decodes alike)."""
-        if not stop.strings:
+        if stop.simple:
             return stop.token_ids.__contains__
         return AnswerText(self.codec, stop).ends
 
@@ -269,9 +276,22 @@ class Server:
                     "'stop' strings need a checkpoint with tokenizer.json; this model "
                     "takes 'stop_token_ids'",
                 )
-            encode = self.codec.encode_chat if chat else self.codec.encode_prompt
-            prompt = await asyncio.to_thread(encode, body.get("messages" if chat else "prompt"))
-            self.limits.check(len(prompt), params.max_tokens)
+            if params.echo and params.logprobs is not None:
+                raise ParamError(
+                    "echo",
+                    "'echo' with 'logprobs' (the prompt's log-probabilities) is not "
+                    "supported; ask for one of them",
+                )
+            if chat:
+                encode = lambda: [self.codec.encode_chat(body.get("messages"))]  # noqa: E731
+            else:
+                encode = lambda: self.codec.encode_prompts(body.get("prompt"))  # noqa: E731
+            prompts = await asyncio.to_thread(encode)
+            if len(prompts) * params.n > MAX_N:
+                raise ParamError(
+                    "n", f"{len(prompts)} prompts x n={params.n} choices is more than {MAX_N}"
+                )
+            budgets = [self.limits.check(len(p), params.max_tokens) for p in prompts]
         except ParamError as err:
             return error_response(400, str(err), param=err.param)
         except ValueError as err:
@@ -279,65 +299,122 @@ class Server:
         if not self.healthy:
             return error_response(503, "the engine has stopped", "server_error")
         stop = params.stop_spec(self.codec.eos_token_ids)
-        job = Job(prompt, params.max_tokens, asyncio.get_running_loop(), stop)
-        self.jobs.add(job)
+        loop = asyncio.get_running_loop()
+        jobs: list[Job] = []
+        for prompt, budget in zip(prompts, budgets, strict=True):
+            for j in range(params.n):
+                sampling = params.sampling(stop, self._seed(params, j))
+                jobs.append(Job(prompt, budget, loop, stop, sampling))
+        self.jobs.update(jobs)
         try:
-            self.queue.put(job)
-            reply = Reply(self.name, chat, len(prompt))
+            for job in jobs:
+                self.queue.put(job)
+            reply = Reply(self.name, chat, self.codec)
+            echoes = [self.codec.decode(p) if params.echo else "" for p in prompts]
             if params.stream:
-                return await self._stream(request, job, reply, params.include_usage)
+                return await self._stream(request, jobs, reply, params, echoes)
             try:
-                outcome = await collect(job)
+                ends = await asyncio.gather(*(collect(job) for job in jobs))
             except asyncio.CancelledError:  # the client went away
-                job.cancel()
+                for job in jobs:
+                    job.cancel()
                 raise
             except RuntimeError as err:
+                for job in jobs:
+                    job.cancel()
                 if self.draining:
                     return _shutting_down()
                 return error_response(400, str(err))
-            if outcome.aborted:
+            if any(outcome.aborted for outcome, _ in ends):
                 return _shutting_down()
-            answer = answer_of(self.codec, stop, outcome.output_ids)
-            return web.json_response(reply.whole(answer, outcome))
+            choices = []
+            for index, (outcome, logprobs) in enumerate(ends):
+                answer = answer_of(self.codec, stop, outcome.output_ids)
+                asked = None if params.logprobs is None else logprobs[: len(answer.ids)]
+                echo = echoes[index // params.n]
+                choices.append(reply.choice(index, answer, asked, echo))
+            usage = self._usage(prompts, [outcome for outcome, _ in ends], params.n)
+            return web.json_response(reply.whole(choices, usage))
         finally:
-            self.jobs.discard(job)
+            self.jobs.difference_update(jobs)
+
+    @staticmethod
+    def _seed(params: RequestParams, j: int) -> int | None:
+        """Choice ``j``'s seed: ``seed + j`` (vLLM's), a fresh random one for a sampled
+        request without a seed (sent to every rank with the job), None when greedy."""
+        if params.seed is not None:
+            return params.seed + j
+        if params.temperature == 0.0:
+            return None
+        return random.getrandbits(63)
+
+    @staticmethod
+    def _usage(prompts: list[list[int]], outcomes: list[JobOutcome], n: int) -> dict[str, Any]:
+        """vLLM's counts: each prompt once (not per choice), every generated token (the
+        end-of-sequence one included)."""
+        return Reply.usage(
+            sum(len(p) for p in prompts),
+            sum(len(o.output_ids) for o in outcomes),
+            sum(o.cached_tokens for o in outcomes[::n]),
+        )
 
     async def _stream(
         self,
         request: web.Request,
-        job: Job,
+        jobs: list[Job],
         reply: Reply,
-        include_usage: bool,
+        params: RequestParams,
+        echoes: list[str],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        merged: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+
+        async def forward(index: int, job: Job) -> None:
+            while True:
+                kind, value = await job.events.get()
+                await merged.put((index, kind, value))
+                if kind != "token":
+                    return
+
+        forwards = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+        answers = [AnswerText(self.codec, job.stop) for job in jobs]
+        sent = [0] * len(jobs)
+        outcomes: list[JobOutcome | None] = [None] * len(jobs)
         finished = False
         try:
             await response.prepare(request)
-            if reply.chat:
-                await send_event(response, reply.chunk({"role": "assistant", "content": ""}))
-            answer = AnswerText(self.codec, job.stop)
-            while True:
-                kind, value = await job.events.get()
+            for index in range(len(jobs)):
+                echo = echoes[index // params.n]
+                if reply.chat:
+                    await send_event(response, reply.chunk(index, {"role": "assistant"}))
+                elif echo:
+                    await send_event(response, reply.delta(index, echo, []))
+                sent[index] = len(echo)
+            left = len(jobs)
+            while left:
+                index, kind, value = await merged.get()
+                answer = answers[index]
                 if kind == "token":
                     if answer.stopped:
                         continue
+                    token, logprobs = value
                     before = len(answer.ids)
-                    delta = answer.push(value)
+                    delta = answer.push(token)
                     ids = answer.ids[before:]
                     if delta or ids:
-                        await send_event(response, reply.delta(delta, ids))
+                        asked = [logprobs] if params.logprobs is not None and ids else None
+                        event = reply.delta(index, delta, ids, asked, sent[index])
+                        await send_event(response, event)
+                        sent[index] += len(delta)
                 elif kind == "done" and not value.aborted:
                     rest = answer.finish()
                     if rest:
-                        await send_event(response, reply.delta(rest, []))
-                    await send_event(response, reply.finish(answer.finish_reason))
-                    if include_usage:
-                        await send_event(response, reply.usage_chunk(answer.ids, value))
-                    await response.write(b"data: [DONE]\n\n")
-                    finished = True
-                    break
+                        await send_event(response, reply.delta(index, rest, []))
+                    await send_event(response, reply.finish(index, answer))
+                    outcomes[index] = value
+                    left -= 1
                 else:
                     message = "the server shut down before the answer was complete"
                     if kind == "error" and not self.draining:
@@ -345,9 +422,23 @@ class Server:
                     await send_event(response, {"error": {"message": message}})
                     finished = True
                     break
+            else:
+                if params.include_usage:
+                    done = [o for o in outcomes if o is not None]
+                    prompts = [job.prompt for job in jobs[:: params.n]]
+                    usage = self._usage(prompts, done, params.n)
+                    await send_event(response, reply.usage_chunk(usage))
+                await response.write(b"data: [DONE]\n\n")
+                finished = True
         finally:
+            for task in forwards:
+                task.cancel()
             if not finished:  # disconnect (write failed or the handler was cancelled)
-                job.cancel()
+                for job in jobs:
+                    job.cancel()
+            elif any(o is None for o in outcomes):
+                for job in jobs:
+                    job.cancel()
         await response.write_eof()
         return response
 
@@ -375,14 +466,19 @@ def _shutting_down() -> web.Response:
     return error_response(503, "the server is shutting down", "server_shutting_down")
 
 
-async def collect(job: Job) -> JobOutcome:
-    """Await a job's end: its outcome (the engine's output, ending token included).
-    ``RuntimeError`` with the engine's message if it failed."""
+async def collect(job: Job) -> tuple[JobOutcome, list[TokenLogprobs]]:
+    """Await a job's end: its outcome (the engine's output, ending token included) and
+    the log-probabilities of its tokens (when asked). ``RuntimeError`` with the engine's
+    message if it failed."""
+    logprobs: list[TokenLogprobs] = []
     while True:
         kind, value = await job.events.get()
-        if kind == "done":
-            return value
-        if kind == "error":
+        if kind == "token":
+            if value[1] is not None:
+                logprobs.append(value[1])
+        elif kind == "done":
+            return value, logprobs
+        elif kind == "error":
             raise RuntimeError(str(value))
 
 

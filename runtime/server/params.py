@@ -8,20 +8,27 @@ does not implement, unless it carries its neutral value (``"logprobs": null``,
 ``"n": 1``, ``"temperature": 0``, ``"tools": []``...): a request is never silently
 served differently from what it asked.
 
-To implement a parameter, replace its :func:`unsupported` entry with a handler that
-stores it on :class:`RequestParams` (add the field there) and use it where the job is
-built (``runtime.server``).
+Ranges and messages follow vLLM's (``temperature`` in [0, 2], ``top_p`` in (0, 1],
+``logprobs`` at most 20...); a mistyped value is a 400 as well. To implement a refused
+parameter, replace its :func:`unsupported` entry with a handler that stores it on
+:class:`RequestParams` (add the field there) and use it where the job is built
+(``runtime.server``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.sampling import MAX_LOGPROBS, SamplingParams
+
 MAX_STOP_SEQUENCES = 4
 """At most this many ``stop`` strings (OpenAI's limit)."""
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 64
+"""The most choices one request may ask (``n`` times the prompts of a batch)."""
 
 
 class ParamError(ValueError):
@@ -35,12 +42,22 @@ class ParamError(ValueError):
 @dataclass(frozen=True)
 class StopSpec:
     """How a request's generation ends early (besides ``max_tokens``): at any of
-    ``token_ids`` (the checkpoint's end-of-sequence id and ``stop_token_ids``; the token
-    is not part of the answer) or when the answer's text contains any of ``strings``
-    (the text is cut before it). Picklable: ranks of a mesh receive it with the job."""
+    ``token_ids`` (the checkpoint's end-of-sequence ids ``eos_ids`` and
+    ``stop_token_ids``; the token is not part of the answer) or when the answer's text
+    contains any of ``strings`` (the text is cut before it), but not before
+    ``min_tokens`` tokens. ``include_stop``: the stop string (or the ``stop_token_ids``
+    token) stays in the answer. Picklable: ranks of a mesh receive it with the job."""
 
     strings: tuple[str, ...] = ()
     token_ids: frozenset[int] = frozenset()
+    eos_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    include_stop: bool = False
+
+    @property
+    def simple(self) -> bool:
+        """Ends only at ``token_ids``, from the first token on."""
+        return not self.strings and not self.min_tokens and not self.include_stop
 
 
 @dataclass
@@ -54,6 +71,26 @@ class RequestParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     """Generate ``max_tokens`` past the end-of-sequence ids (vLLM's extension)."""
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    temperature: float = 0.0
+    """A request that does not set it decodes greedily (OpenAI's and vLLM's default is
+    1: the docs state the difference)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    """Completions: the N most likely per position; chat: 0 with ``logprobs: true``, then
+    ``top_logprobs``."""
+    echo: bool = False
+    stream_options_set: bool = False
+    max_tokens_set: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -73,13 +110,57 @@ class RequestParams:
                 endpoint = "/v1/chat/completions" if chat else "/v1/completions"
                 raise ParamError(name, f"unrecognized request argument {name!r} for {endpoint}")
             handler(name, body[name], params, ctx)
+        params._check_together(body, chat)
         return params
+
+    def _check_together(self, body: dict[str, Any], chat: bool) -> None:
+        if self.stream_options_set and not self.stream:
+            raise ParamError(
+                "stream_options", "'stream_options' can only be set when 'stream' is true"
+            )
+        top = self.extra.get("top_logprobs")
+        if chat and top is not None:
+            if self.logprobs is None and top > 0:
+                raise ParamError(
+                    "top_logprobs", "when using 'top_logprobs', 'logprobs' must be set to true"
+                )
+            if self.logprobs is not None:
+                self.logprobs = top
+        if self.min_tokens > self.max_tokens:
+            raise ParamError(
+                "min_tokens",
+                f"'min_tokens' must be at most max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+
+    def sampling(self, stop: StopSpec, seed: int | None) -> SamplingParams:
+        """How one choice picks its tokens (``seed``: that choice's)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(sorted(self.logit_bias.items())),
+            min_tokens=self.min_tokens,
+            stop_ids=stop.token_ids if self.min_tokens else frozenset(),
+            logprobs=self.logprobs,
+        )
 
     def stop_spec(self, eos_token_ids: tuple[int, ...]) -> StopSpec:
         """Where this request ends: its own stops and, unless ``ignore_eos``, the model's
         end-of-sequence ids."""
-        eos = () if self.ignore_eos else eos_token_ids
-        return StopSpec(self.stop_strings, frozenset(self.stop_token_ids) | frozenset(eos))
+        eos = frozenset(() if self.ignore_eos else eos_token_ids)
+        ids = frozenset(self.stop_token_ids) | eos
+        return StopSpec(
+            self.stop_strings,
+            ids,
+            eos - frozenset(self.stop_token_ids),
+            self.min_tokens,
+            self.include_stop_str_in_output,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,11 +187,137 @@ def _ignore(name: str, value: Any, params: RequestParams, ctx: _Context) -> None
 
 
 def _metadata(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
-    """A field that does not change the answer (``user``, ``seed`` under greedy decoding)."""
-    if name == "user" and value is not None and not isinstance(value, str):
-        raise ParamError(name, f"'user' must be a string, got {value!r}")
-    if name == "seed" and value is not None and not _is_int(value):
-        raise ParamError(name, f"'seed' must be an integer, got {value!r}")
+    """A field that does not change the answer (``user``)."""
+    if value is not None and not isinstance(value, str):
+        raise ParamError(name, f"'{name}' must be a string, got {value!r}")
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ParamError(name, f"'{name}' must be a number, got {_short(value)}")
+    if not math.isfinite(value):
+        raise ParamError(name, f"'{name}' must be a finite number, got {value}")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ParamError(name, f"'{name}' must be an integer, got {_short(value)}")
+    return int(value)
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ParamError(name, f"'{name}' must be a boolean, got {_short(value)}")
+    return value
+
+
+def _ranged(low: float, high: float, *, open_low: bool = False, text: str | None = None) -> Handler:
+    """A number in [low, high] ((low, high] with ``open_low``), stored as the field."""
+
+    def check(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+        if value is None:
+            return
+        x = _number(name, value)
+        if x < low or x > high or (open_low and x == low):
+            shown = text or f"{'(' if open_low else '['}{low:g}, {high:g}]"
+            raise ParamError(name, f"'{name}' must be in {shown}, got {x:g}")
+        setattr(params, name, x)
+
+    return check
+
+
+def _repetition_penalty(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    if value is None:
+        return
+    x = _number(name, value)
+    if x <= 0:
+        raise ParamError(name, f"'{name}' must be greater than zero, got {x:g}")
+    params.repetition_penalty = x
+
+
+def _top_k(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    if value is None:
+        return
+    k = _integer(name, value)
+    if k < -1:
+        raise ParamError(name, f"'top_k' must be -1 or 0 (disable), or at least 1, got {k}")
+    params.top_k = max(k, 0)
+
+
+def _seed(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    if value is None:
+        return
+    seed = _integer(name, value)
+    if not -(2**63) <= seed < 2**63:
+        raise ParamError(name, f"'seed' must fit in 64 bits, got {seed}")
+    params.seed = seed
+
+
+def _n(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    if value is None:
+        return
+    n = _integer(name, value)
+    if not 1 <= n <= MAX_N:
+        raise ParamError(name, f"'n' must be in [1, {MAX_N}], got {n}")
+    params.n = n
+
+
+def _min_tokens(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    if value is None:
+        return
+    m = _integer(name, value)
+    if m < 0:
+        raise ParamError(name, f"'min_tokens' must be at least 0, got {m}")
+    params.min_tokens = m
+
+
+def _flag(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    """A boolean stored as the field of the same name."""
+    if value is not None:
+        setattr(params, name, _boolean(name, value))
+
+
+def _logit_bias(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    """Token id (a string or an int) -> bias; biases clamped to [-100, 100] as vLLM does."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ParamError(name, "'logit_bias' must be an object mapping token ids to numbers")
+    bias: dict[int, float] = {}
+    for key, raw in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ParamError(name, f"'logit_bias' key {key!r} is not a token id") from None
+        if not 0 <= token < ctx.vocab_size:
+            raise ParamError(
+                name, f"'logit_bias' token id {token} is out of vocabulary range({ctx.vocab_size})"
+            )
+        bias[token] = min(100.0, max(-100.0, _number(name, raw)))
+    params.logit_bias = bias
+
+
+def _logprobs(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    if value is None:
+        return
+    if ctx.chat:  # a boolean; the count is top_logprobs
+        if _boolean(name, value):
+            params.logprobs = 0
+        return
+    count = _integer(name, value)
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise ParamError(name, f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {count}")
+    params.logprobs = count
+
+
+def _top_logprobs(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+    if value is None:
+        return
+    count = _integer(name, value)
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise ParamError(name, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {count}")
+    params.extra["top_logprobs"] = count
 
 
 def _max_tokens(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
@@ -121,6 +328,7 @@ def _max_tokens(name: str, value: Any, params: RequestParams, ctx: _Context) -> 
     if not 1 <= value <= ctx.max_tokens_limit:
         raise ParamError(name, f"'{name}' must be in [1, {ctx.max_tokens_limit}], got {value}")
     params.max_tokens = value
+    params.max_tokens_set = True
 
 
 def _stream(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
@@ -134,6 +342,7 @@ def _stream(name: str, value: Any, params: RequestParams, ctx: _Context) -> None
 def _stream_options(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
     if value is None:
         return
+    params.stream_options_set = True
     if not isinstance(value, dict):
         raise ParamError(name, "'stream_options' must be an object")
     unknown = set(value) - {"include_usage"}
@@ -213,7 +422,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-GREEDY = "is not supported: this server decodes greedily"
+GRAMMAR = "is not supported: this server has no grammar-constrained decoding"
+TOOLS = "is not supported: this server has no tool-call parser"
 
 PARAMETERS: dict[str, Handler] = {
     "model": _ignore,
@@ -227,25 +437,35 @@ PARAMETERS: dict[str, Handler] = {
     "stop_token_ids": _stop_token_ids,
     "ignore_eos": _ignore_eos,
     "return_token_ids": _return_token_ids,
+    "min_tokens": _min_tokens,
+    "include_stop_str_in_output": _flag,
     "user": _metadata,
-    "seed": _metadata,
-    "n": unsupported(1, why="must be 1: one answer per request"),
-    "best_of": unsupported(1, why="must be 1: one answer per request"),
-    "temperature": unsupported(0.0, why=GREEDY + " (temperature 0)"),
-    "top_p": unsupported(1.0, why=GREEDY + " (top_p 1)"),
-    "presence_penalty": unsupported(0.0),
-    "frequency_penalty": unsupported(0.0),
-    "logit_bias": unsupported({}),
-    "logprobs": unsupported(False, 0),
-    "top_logprobs": unsupported(0),
-    "echo": unsupported(False),
-    "suffix": unsupported(""),
-    "tools": unsupported([]),
-    "tool_choice": unsupported("none"),
+    "seed": _seed,
+    "n": _n,
+    "temperature": _ranged(0.0, 2.0),
+    "top_p": _ranged(0.0, 1.0, open_low=True),
+    "top_k": _top_k,
+    "min_p": _ranged(0.0, 1.0),
+    "presence_penalty": _ranged(-2.0, 2.0),
+    "frequency_penalty": _ranged(-2.0, 2.0),
+    "repetition_penalty": _repetition_penalty,
+    "logit_bias": _logit_bias,
+    "logprobs": _logprobs,
+    "top_logprobs": _top_logprobs,
+    "echo": _flag,
+    "best_of": unsupported(1, why="must be 1 (as in vLLM's V1 engine)"),
+    "suffix": unsupported("", why="is not supported (no fill-in-the-middle)"),
+    "tools": unsupported([], why=TOOLS),
+    "tool_choice": unsupported("none", why=TOOLS),
     "parallel_tool_calls": unsupported(),
-    "functions": unsupported([]),
-    "function_call": unsupported("none"),
-    "response_format": unsupported({"type": "text"}),
+    "functions": unsupported([], why=TOOLS),
+    "function_call": unsupported("none", why=TOOLS),
+    "response_format": unsupported({"type": "text"}, why=GRAMMAR),
+    "structured_outputs": unsupported(why=GRAMMAR),
+    "guided_json": unsupported(why=GRAMMAR),
+    "guided_regex": unsupported(why=GRAMMAR),
+    "guided_choice": unsupported(why=GRAMMAR),
+    "guided_grammar": unsupported(why=GRAMMAR),
     "modalities": unsupported(["text"]),
     "audio": unsupported(),
     "prediction": unsupported(),
@@ -285,28 +505,3 @@ def unsupported_names() -> list[str]:
     return sorted(
         name for name, handler in PARAMETERS.items() if handler.__qualname__.startswith("unsup")
     )
-
-
-@dataclass(frozen=True)
-class PromptLimits:
-    """How long a request may be: ``max_prompt_tokens`` prompt tokens, and at most
-    ``context`` (the model's context length; None: not stated) prompt plus answer."""
-
-    max_prompt_tokens: int
-    context: int | None = None
-
-    def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        """``ParamError`` for a request over a limit (before any work is queued)."""
-        if prompt_tokens > self.max_prompt_tokens:
-            raise ParamError(
-                "prompt",
-                f"the prompt has {prompt_tokens} tokens; this server takes at most "
-                f"{self.max_prompt_tokens} (--max-prompt-tokens)",
-            )
-        if self.context is not None and prompt_tokens + max_tokens > self.context:
-            raise ParamError(
-                "max_tokens",
-                f"this model's maximum context length is {self.context} tokens; the request "
-                f"asks for {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, "
-                f"{max_tokens} to generate)",
-            )

@@ -29,6 +29,11 @@ class AnswerText:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        self.stop_reason: str | int | None = None
+        """What stopped it (vLLM's ``stop_reason``): the stop string, the
+        ``stop_token_ids`` id, None (end of sequence, or not stopped)."""
+        self.generated = 0
+        """Tokens generated (the ending one included: ``usage.completion_tokens``)."""
 
     @property
     def decodes(self) -> bool:
@@ -39,17 +44,29 @@ class AnswerText:
         held back). After the answer stopped, tokens are ignored."""
         if self.stopped:
             return ""
-        if token in self._stop.token_ids:
+        self.generated += 1
+        armed = self.generated > self._stop.min_tokens
+        if armed and token in self._stop.token_ids:
             self.stopped = True
+            if token not in self._stop.eos_ids:
+                self.stop_reason = token
+                if self._stop.include_stop:
+                    self.ids.append(token)
+                    if self.decodes:
+                        self.text = self._codec.decode(self.ids)
             return self._release(len(self.text))
         self.ids.append(token)
         if not self.decodes:
             return ""
         self.text = self._codec.decode(self.ids)
-        if self._stop.strings:
-            cut = self._find_stop()
-            if cut is not None:
+        if self._stop.strings and armed:
+            found = self._find_stop()
+            if found is not None:
+                cut, string = found
                 self.stopped = True
+                self.stop_reason = string
+                if self._stop.include_stop:
+                    cut += len(string)
                 self.text = self.text[:cut]
                 return self._release(cut)
         safe = len(self.text)
@@ -70,10 +87,11 @@ class AnswerText:
     def finish_reason(self) -> str:
         return "stop" if self.stopped else "length"
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, str] | None:
         # No stop string starts before what was sent: the held-back text guarantees it.
-        found = [i for i in (self.text.find(s, self._sent) for s in self._stop.strings) if i >= 0]
-        return min(found) if found else None
+        found = [(self.text.find(s, self._sent), s) for s in self._stop.strings]
+        hits = [(i, s) for i, s in found if i >= 0]
+        return min(hits) if hits else None
 
     def _unheld(self, end: int) -> int:
         """How much of ``text[sent:end]`` may be sent: all but a tail that is the start

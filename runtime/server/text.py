@@ -107,7 +107,23 @@ class TextCodec:
             isinstance(i, int) and not isinstance(i, bool) for i in prompt
         ):
             return self._checked(prompt)
-        raise ValueError("'prompt' must be a string or a list of token ids (one per request)")
+        raise ValueError(
+            "'prompt' must be a string, a list of token ids, or a list of either (a batch)"
+        )
+
+    def encode_prompts(self, prompt: Any) -> list[list[int]]:
+        """The prompts of a completion request: one (a string, a list of ids) or a batch
+        (a list of strings or of id lists). ``ValueError`` naming what is wrong."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            return [self.encode_prompt(p) for p in prompt]
+        return [self.encode_prompt(prompt)]
+
+    def token_text(self, token: int) -> str:
+        """One token's text (log-probabilities name tokens by it); without a tokenizer
+        ``"token_id:N"`` (vLLM's ``return_tokens_as_token_ids`` form)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return str(self.tokenizer.decode([token], skip_special_tokens=False))
 
     def encode_chat(self, messages: Any) -> list[int]:
         """Token ids of a chat: the template (or the plain fallback) rendered with a

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from runtime.engine import Engine
 from runtime.request_run import RequestResult, TokenHook
+from runtime.sampling import Sampler, SamplingParams, TokenLogprobs
 from runtime.serve.checks import pages_needed, too_long_for_l1
 from runtime.server.params import StopSpec
 
@@ -52,6 +53,18 @@ def stop_at_ids(stop: StopSpec) -> Callable[[int], bool]:
     return stop.token_ids.__contains__
 
 
+def sampler_of(sampling: SamplingParams, prompt: list[int]) -> Sampler | None:
+    """A request's token picker; None for plain greedy (the engine's own argmax)."""
+    return None if sampling.plain else Sampler(sampling, prompt)
+
+
+def token_event(token: int, sampler: Sampler | None) -> tuple[int, TokenLogprobs | None]:
+    """What the HTTP side receives per token: the id and, when the request asked for
+    them, its log-probabilities."""
+    asked = sampler is not None and sampler.params.logprobs is not None
+    return token, sampler.logprobs[-1] if asked and sampler is not None else None
+
+
 # The per-token decision rank 0 broadcasts.
 _GO, _END, _ABORT = 0, 1, 2
 
@@ -65,7 +78,8 @@ class Aborted(Exception):
 class Job:
     """One request on its way through the engine.
 
-    ``events`` receives, on ``loop``, ``("token", id)`` per generated token, then
+    ``events`` receives, on ``loop``, ``("token", (id, logprobs or None))`` per generated
+    token, then
     ``("done", JobOutcome)`` or ``("error", message)``. Generation ends after
     ``max_new_tokens`` or where ``stop`` says (the ending token is included in the
     output; the engine side's :data:`Stopper` decides).
@@ -76,6 +90,7 @@ class Job:
     max_new_tokens: int
     loop: asyncio.AbstractEventLoop
     stop: StopSpec = field(default_factory=StopSpec)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted_s: float = field(default_factory=time.perf_counter)
@@ -244,20 +259,23 @@ class EngineWorker(threading.Thread):
                     if self.control.group is not None:
                         self.control.send((_IDLE,))
                     continue
-                self.control.send((_SERVE, job.prompt, job.max_new_tokens))
+                self.control.send((_SERVE, job.prompt, job.max_new_tokens, job.sampling))
                 self._serve(job)
         except BaseException as err:  # a lost peer or an engine bug: the server stops
             self.failure = err
             log.exception("runtime.server: the engine thread failed")
 
     def _serve(self, job: Job) -> None:
-        emit = lambda t: job.emit("token", t)  # noqa: E731
+        sampler = sampler_of(job.sampling, job.prompt)
+        emit = lambda t: job.emit("token", token_event(t, sampler))  # noqa: E731
         hook = token_hook(self.control, emit, self.stopper(job.stop), job.cancelled.is_set)
         with self.counters.lock:
             self.counters.running += 1
             self.counters.peak_running = max(self.counters.peak_running, 1)
         try:
-            outcome = serve_one(self.engine, job.prompt, job.max_new_tokens, self.counters, hook)
+            outcome = serve_one(
+                self.engine, job.prompt, job.max_new_tokens, self.counters, hook, sampler
+            )
         except ValueError as err:
             with self.counters.lock:
                 self.counters.errors += 1
@@ -275,6 +293,7 @@ def serve_one(
     max_new_tokens: int,
     counters: ServerCounters,
     on_token: TokenHook,
+    sampler: Sampler | None = None,
 ) -> JobOutcome:
     """Run one request through ``engine`` (collective) with the per-token hook
     ``on_token``; an abort releases it, and the cache's integrity is checked after every
@@ -282,7 +301,9 @@ def serve_one(
     uncached, with one warning per server."""
     warn_if_too_long_for_l1(engine, len(prompt) + max_new_tokens, counters)
     try:
-        result = engine.serve(prompt, max_new_tokens=max_new_tokens, on_token=on_token)
+        result = engine.serve(
+            prompt, max_new_tokens=max_new_tokens, on_token=on_token, sampler=sampler
+        )
     except Aborted:
         outcome = JobOutcome([], 0, True, None)
         with counters.lock:
@@ -335,8 +356,8 @@ def follow(engine: Engine, group: dist.ProcessGroup) -> None:
         if message[0] == _STOP:
             return
         if message[0] == _SERVE:
-            _, prompt, max_new = message
+            _, prompt, max_new, sampling = message
             try:
-                serve_one(engine, prompt, max_new, counters, hook)
+                serve_one(engine, prompt, max_new, counters, hook, sampler_of(sampling, prompt))
             except ValueError:
                 pass  # rank 0 raised the same error (replicated checks) and reported it

@@ -330,3 +330,52 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path, drain_s: 
         assert "1 aborted" in log and took < 30, (took, log)
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url + "/health", timeout=5)
+
+
+def test_seeded_sampling_on_a_1x2x2_mesh_equals_one_rank(tmp_path: Path, one_rank_topology) -> None:
+    """cp 2 x tp 2 (4 ranks, --concurrency 4): seeded sampled answers, with penalties,
+    top-k/top-p and n > 1, requested concurrently, equal one rank's sampler on the same
+    weights; every rank draws the same token (the ranks' caches stay consistent, so the
+    later tokens still equal one rank's)."""
+    from runtime.sampling import Sampler, SamplingParams
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip(f"needs torchrun beside {sys.executable}")
+    args = serve.build_parser().parse_args(["--model", "tiny"])
+    engine = Engine(serve.build_model(args, one_rank_topology), None)
+    asks = [
+        (PROMPT, dict(temperature=1.0, seed=7)),
+        (PROMPT[::-1], dict(temperature=0.8, top_p=0.9, seed=8)),
+        (PROMPT[5:30], dict(temperature=1.2, top_k=20, frequency_penalty=0.5, seed=9)),
+        (PROMPT[:12] * 2, dict(temperature=1.0, presence_penalty=1.0, seed=10)),
+    ]
+
+    def one_rank(ids: list[int], sampling: dict, seed: int) -> list[int]:
+        sampler = Sampler(SamplingParams(**{**sampling, "seed": seed}), ids)
+        return engine.serve(ids, max_new_tokens=8, sampler=sampler).output_ids
+
+    server = Process(
+        [str(torchrun), "--standalone", "--nproc-per-node", "4", "-m", "runtime.server"]
+        + ["--model", "tiny", "--cp", "2", "--tp", "2", "--cache", "host", "--port", "0"]
+        + ["--concurrency", "4", "--token-budget", "16", "--collective-timeout-s", "30"],
+        tmp_path,
+    )
+    try:
+
+        def ask(item: tuple[list[int], dict]) -> list[list[int]]:
+            ids, sampling = item
+            extra = {"top_k": sampling.pop("top_k")} if "top_k" in sampling else {}
+            out = server.client().completions.create(
+                model="tiny", prompt=ids, max_tokens=8, n=2, extra_body=extra, **sampling
+            )
+            return [c.token_ids for c in out.choices]
+
+        with ThreadPoolExecutor(len(asks)) as pool:
+            answers = list(pool.map(ask, [(ids, dict(s)) for ids, s in asks]))
+    finally:
+        server.stop()
+    for (ids, sampling), got in zip(asks, answers, strict=True):
+        seed = sampling["seed"]
+        assert got == [one_rank(ids, sampling, seed), one_rank(ids, sampling, seed + 1)]
+    assert answers[0][0] != engine.serve(PROMPT, max_new_tokens=8).output_ids  # sampled

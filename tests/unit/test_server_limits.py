@@ -137,10 +137,10 @@ def test_unimplemented_fields_are_400_naming_them(live) -> None:
     client = _client(live)
     name = live.server.name
     asks = [
-        ("logprobs", lambda: client.completions.create(model=name, prompt="hi", logprobs=2)),
+        ("logprobs", lambda: client.completions.create(model=name, prompt="hi", logprobs=21)),
         ("suffix", lambda: client.completions.create(model=name, prompt="hi", suffix="x")),
-        ("echo", lambda: client.completions.create(model=name, prompt="hi", echo=True)),
-        ("temperature", lambda: client.completions.create(model=name, prompt="hi", temperature=1)),
+        ("echo", lambda: client.completions.create(model=name, prompt="hi", echo=1)),
+        ("temperature", lambda: client.completions.create(model=name, prompt="hi", temperature=3)),
         (
             "tools",
             lambda: client.chat.completions.create(

@@ -79,18 +79,10 @@ def _parse(body: dict, chat: bool = False) -> RequestParams:
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("logprobs", 2),
-        ("logprobs", True),
-        ("echo", True),
         ("suffix", "tail"),
-        ("n", 2),
         ("best_of", 3),
-        ("temperature", 0.7),
-        ("top_p", 0.5),
-        ("presence_penalty", 1.0),
-        ("frequency_penalty", 0.5),
-        ("logit_bias", {"5": 10}),
-        ("seed", "x"),
+        ("guided_json", {"type": "object"}),
+        ("structured_outputs", {"json": {}}),
         ("frobnicate", 1),
     ],
 )
@@ -104,11 +96,10 @@ def test_completions_refuse_what_they_do_not_implement(field: str, value: object
     "field,value",
     [
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tools", "x"),
         ("tool_choice", "auto"),
         ("response_format", {"type": "json_object"}),
-        ("logprobs", True),
-        ("top_logprobs", 3),
-        ("n", 2),
+        ("response_format", {"type": "json_schema", "json_schema": {}}),
         ("echo", False),  # a completions field
     ],
 )
@@ -117,10 +108,79 @@ def test_chat_refuses_what_it_does_not_implement(field: str, value: object) -> N
         _parse({"messages": [], field: value}, chat=True)
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 5),
+        ("temperature", -1),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("top_p", 2),
+        ("top_p", 0),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("min_p", 1.5),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0),
+        ("logit_bias", {"50": 1}),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"3": "big"}),
+        ("logit_bias", [1]),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("seed", "x"),
+        ("n", 0),
+        ("n", 65),
+        ("min_tokens", -1),
+        ("min_tokens", 9),  # above max_tokens (8)
+        ("include_stop_str_in_output", "yes"),
+        ("echo", 1),
+        ("stream_options", {"include_usage": True}),  # without stream
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ParamError, match=field) as err:
+        _parse({"prompt": [1], field: value})
+    assert err.value.param == field
+
+
+def test_top_logprobs_needs_logprobs() -> None:
+    with pytest.raises(ParamError, match="'logprobs' must be set to true") as err:
+        _parse({"messages": [], "top_logprobs": 3}, chat=True)
+    assert err.value.param == "top_logprobs"
+    with pytest.raises(ParamError, match="top_logprobs"):
+        _parse({"messages": [], "logprobs": True, "top_logprobs": 21}, chat=True)
+    assert _parse({"messages": [], "logprobs": True, "top_logprobs": 3}, True).logprobs == 3
+    assert _parse({"messages": [], "logprobs": True}, True).logprobs == 0
+    assert _parse({"messages": [], "logprobs": False, "top_logprobs": 0}, True).logprobs is None
+
+
+def test_sampling_fields_are_parsed_to_sampling_params() -> None:
+    body = {"prompt": [1], "temperature": 0.5, "top_p": 0.9, "top_k": -1, "min_p": 0.1}
+    body |= {"seed": 7, "presence_penalty": 1, "frequency_penalty": -1, "n": 3}
+    body |= {"repetition_penalty": 1.3, "logit_bias": {"4": 200, 2: -5}, "logprobs": 2}
+    body |= {"min_tokens": 2, "stop_token_ids": [5], "include_stop_str_in_output": True}
+    params = _parse(body)
+    assert params.n == 3 and params.seed == 7
+    stop = params.stop_spec((9,))
+    assert stop.min_tokens == 2 and stop.include_stop and stop.eos_ids == frozenset({9})
+    sampling = params.sampling(stop, 8)
+    assert sampling.temperature == 0.5 and sampling.top_p == 0.9 and sampling.top_k == 0
+    assert sampling.min_p == 0.1 and sampling.seed == 8 and sampling.logprobs == 2
+    assert sampling.presence_penalty == 1 and sampling.frequency_penalty == -1
+    assert sampling.repetition_penalty == 1.3
+    assert sampling.logit_bias == ((2, -5.0), (4, 100.0))  # clamped as vLLM does
+    assert sampling.min_tokens == 2 and sampling.stop_ids == frozenset({5, 9})
+    assert not sampling.plain
+
+
 def test_neutral_values_are_accepted() -> None:
     body = {"prompt": [1], "n": 1, "temperature": 0, "top_p": 1, "logprobs": None, "echo": False}
     body |= {"seed": 3, "user": "u", "suffix": None, "presence_penalty": 0.0, "best_of": 1}
-    assert _parse(body).max_tokens == 8
+    params = _parse(body)
+    assert params.max_tokens == 8
+    assert params.sampling(params.stop_spec(()), None).plain
     chat = {"messages": [], "tools": [], "response_format": {"type": "text"}, "logprobs": False}
     assert _parse(chat, chat=True).max_tokens == 8
 
@@ -128,7 +188,8 @@ def test_neutral_values_are_accepted() -> None:
 def test_stop_fields() -> None:
     params = _parse({"prompt": [1], "stop": ["a", "a", "bc"], "stop_token_ids": [3, 4]})
     assert params.stop_strings == ("a", "bc") and params.stop_token_ids == (3, 4)
-    assert params.stop_spec((7, 9)) == StopSpec(("a", "bc"), frozenset({3, 4, 7, 9}))
+    eos = frozenset({7, 9})
+    assert params.stop_spec((7, 9)) == StopSpec(("a", "bc"), frozenset({3, 4, 7, 9}), eos)
     no_eos = _parse({"prompt": [1], "stop_token_ids": [3], "ignore_eos": True})
     assert no_eos.stop_spec((7,)) == StopSpec((), frozenset({3}))
     with pytest.raises(ParamError, match="'ignore_eos' must be a boolean"):
@@ -159,6 +220,39 @@ def test_max_tokens_and_stream_types() -> None:
 
 def test_the_documented_refusals_are_the_table() -> None:
     names = unsupported_names()
-    for name in ("logprobs", "tools", "response_format", "suffix", "n", "echo", "temperature"):
+    for name in ("tools", "response_format", "suffix", "guided_json", "best_of"):
         assert name in names
-    assert "stop" not in names and "max_tokens" not in names
+    for name in ("stop", "max_tokens", "temperature", "logprobs", "n", "echo", "seed"):
+        assert name not in names
+
+
+def test_stop_reason_is_the_string_or_the_stop_id_and_null_at_the_end_of_sequence() -> None:
+    by_string = answer_of(CharCodec(), StopSpec(("cd",)), [ord(c) for c in "abcde"])  # type: ignore[arg-type]
+    assert by_string.text == "ab" and by_string.stop_reason == "cd"
+    ids = frozenset({33, 35})
+    by_id = answer_of(CharCodec(), StopSpec((), ids, frozenset({35})), [104, 33])  # type: ignore[arg-type]
+    assert by_id.stop_reason == 33 and by_id.generated == 2
+    by_eos = answer_of(CharCodec(), StopSpec((), ids, frozenset({35})), [104, 35])  # type: ignore[arg-type]
+    assert by_eos.stopped and by_eos.stop_reason is None
+    length = answer_of(CharCodec(), StopSpec(("zz",)), [104])  # type: ignore[arg-type]
+    assert length.finish_reason == "length" and length.stop_reason is None
+
+
+def test_include_stop_keeps_the_string_or_the_stop_token() -> None:
+    spec = StopSpec(("cd",), include_stop=True)
+    deltas, answer = _stream(spec, "abcdef")
+    assert "".join(deltas) == "abcd" == answer.text and answer.stop_reason == "cd"
+    ids = frozenset({33, 35})
+    kept = answer_of(CharCodec(), StopSpec((), ids, frozenset({35}), include_stop=True), [104, 33])  # type: ignore[arg-type]
+    assert kept.text == "h!" and kept.ids == [104, 33]
+    eos = answer_of(CharCodec(), StopSpec((), ids, frozenset({35}), include_stop=True), [104, 35])  # type: ignore[arg-type]
+    assert eos.text == "h" and eos.ids == [104]  # the end of sequence never is
+
+
+def test_min_tokens_ignores_stops_until_reached() -> None:
+    ids = frozenset({33})
+    answer = answer_of(CharCodec(), StopSpec(("b",), ids, min_tokens=3), [33, ord("b"), 97, 33])  # type: ignore[arg-type]
+    # "!" and "b" come before the 3rd token: kept; the 4th token "!" stops.
+    assert answer.text == "!ba" and answer.stop_reason == 33 and answer.generated == 4
+    later = answer_of(CharCodec(), StopSpec(("b",), ids, min_tokens=2), [97, 97, ord("b")])  # type: ignore[arg-type]
+    assert later.text == "aa" and later.stop_reason == "b"
