@@ -139,9 +139,10 @@ def _prefilled(model: HybridModel, n: int, seed: int, pools: DevicePools | None,
     return state, logits
 
 
-def batch_vs_sequential(model: HybridModel, seed: int = 9) -> dict:
-    """Sequence i (length LENGTHS[i]) is paged iff i is odd; the reference runs on twin
-    states (their own pools) with one ``decode`` per sequence and step."""
+def batch_vs_sequential(model: HybridModel, seed: int = 9, *, all_paged: bool = False) -> dict:
+    """Sequence i (length LENGTHS[i]) is paged iff i is odd (every one with ``all_paged``:
+    the batch attends in one padded gather); the reference runs on twin states (their own
+    pools) with one ``decode`` per sequence and step."""
     ps = model.page_size
     per_seq = -(-(max(LENGTHS) + NUM_DECODE + 1) // ps)
     pools, twin_pools = pools_for(model), pools_for(model)
@@ -152,8 +153,9 @@ def batch_vs_sequential(model: HybridModel, seed: int = 9) -> dict:
         pages = order[i * per_seq : (i + 1) * per_seq]  # disjoint per sequence
         if i == 1:  # one run of ids: the model reads a view of the pool, no gather
             pages = sorted(range(num_pages - per_seq, num_pages))
-        state, logits = _prefilled(model, n, seed + i, pools if i % 2 else None, pages)
-        twin, _ = _prefilled(model, n, seed + i, twin_pools if i % 2 else None, pages)
+        paged = all_paged or i % 2
+        state, logits = _prefilled(model, n, seed + i, pools if paged else None, pages)
+        twin, _ = _prefilled(model, n, seed + i, twin_pools if paged else None, pages)
         states.append(state)
         twins.append(twin)
         first.append(logits)

@@ -30,7 +30,7 @@ from runtime.model.ssm import (
     conv_step,
     prefix_correction,
 )
-from runtime.model.state import AttentionRows, SeqState
+from runtime.model.state import AttentionRows, DecodeSlots, SeqState, decode_slots
 from runtime.model.weights import WeightSource
 
 
@@ -57,12 +57,25 @@ def rope(
     if dim == 0:
         return x
     half = dim // 2
-    freqs = inv_freq if inv_freq is not None else default_inv_freq(theta, dim).to(x.device)
+    freqs = inv_freq if inv_freq is not None else _cached_inv_freq(theta, dim, x.device)
     angles = positions.to(torch.float32)[:, None] * freqs[None, :]
     cos = (angles.cos() * cos_scale)[:, None, :].to(x.dtype)
     sin = (angles.sin() * cos_scale)[:, None, :].to(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half:dim], x[..., dim:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+_INV_FREQ: dict[tuple[float, int, str], Tensor] = {}
+
+
+def _cached_inv_freq(theta: float, dim: int, device: torch.device) -> Tensor:
+    # The same tensor default_inv_freq makes, made once per (theta, dim, device): rope
+    # never writes to it.
+    key = (theta, dim, str(device))
+    freqs = _INV_FREQ.get(key)
+    if freqs is None:
+        freqs = _INV_FREQ[key] = default_inv_freq(theta, dim).to(device)
+    return freqs
 
 
 def default_inv_freq(theta: float, dim: int) -> Tensor:
@@ -303,6 +316,8 @@ class Attention:
             # [cp, B, H, E + 1]: every sequence's (out, lse) in one gather.
             gathered = cp.all_gather(torch.cat(parts))
             out = merge_partials(gathered[..., :-1], gathered[..., -1])
+        elif (slots := self._decode_slots(states, x.device)) is not None:
+            out = self._decode_paged(q, k, v, states[0], slots)
         else:
             outs = []
             for i, state in enumerate(states):
@@ -312,6 +327,38 @@ class Attention:
                 outs.append(attend_causal(q[i : i + 1], keys, values, pos, self.scale))
             out = torch.cat(outs)
         return self._project(out, x.dtype, tp)
+
+    def _decode_slots(self, states: Sequence[SeqState], device: torch.device) -> DecodeSlots | None:
+        return decode_slots(states, self.page_size, self.num_kv_heads * self.head_dim, device)
+
+    def _decode_paged(
+        self, q: Tensor, k: Tensor, v: Tensor, first: SeqState, slots: DecodeSlots
+    ) -> Tensor:
+        """Every sequence of a paged batch at once (``decode_slots``): the new K/V rows in
+        one write per pool, the keys in one padded gather, one masked attention."""
+        assert first.pages is not None
+        pools, lid = first.pages.pools, self.layer_id
+        k_pool, v_pool = pools.k(lid), pools.v(lid)
+        k_pool[slots.write_pages, slots.write_rows] = k.to(k_pool.dtype)
+        v_pool[slots.write_pages, slots.write_rows] = v.to(v_pool.dtype)
+        keys = k_pool[slots.read_pages, slots.read_rows]  # [B, L, G, E]
+        values = v_pool[slots.read_pages, slots.read_rows]
+        return attend_padded(q, keys, values, slots.hidden, self.scale)
+
+
+def attend_padded(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, scale: float) -> Tensor:
+    """One query per sequence, ``q`` ``[B, H, E]``, over its keys ``k``/``v`` ``[B, L, G, E]``
+    where ``hidden`` ``[B, L]`` marks the padding (float32 ``[B, H, E]``); the math of
+    :func:`_attend_few` for one query, the batch in one matmul pair."""
+    b, heads, e = q.shape
+    g = k.shape[2]
+    qf = q.float().view(b, g, heads // g, e)  # [B, G, rep, E]
+    kf = k.float().permute(0, 2, 3, 1)  # [B, G, E, L]
+    vf = v.float().transpose(1, 2)  # [B, G, L, E]
+    scores = torch.matmul(qf, kf).mul_(scale)  # [B, G, rep, L]
+    scores = scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [B, G, rep, E]
+    return out.reshape(b, heads, e)
 
 
 # -- SSM ----------------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ class BatchRun:
         self.counters = counters
         self.jobs: dict[int, Job] = {}
         self._check_pending = False
+        self._outbox: list[tuple[Job, str, Any]] = []
 
     @property
     def idle(self) -> bool:
@@ -100,11 +101,12 @@ class BatchRun:
             with self.counters.lock:
                 self.counters.aborted += 1
             if job is not None:
-                job.emit("done", JobOutcome([], 0, True, None))
+                self._emit(job, "done", JobOutcome([], 0, True, None))
             self._check_pending = self.cache is not None
         for key, prompt, max_new, stop, sampling in new:
             self._submit(key, prompt, max_new, stop, sampling)
         self._count()
+        self.flush()
 
     def _submit(
         self, key: int, prompt: list[int], max_new: int, stop: StopSpec, sampling: SamplingParams
@@ -123,17 +125,18 @@ class BatchRun:
             with self.counters.lock:
                 self.counters.errors += 1
             if job is not None:
-                job.emit("error", str(err))
+                self._emit(job, "error", str(err))
             return
         if job is not None:
             warn_if_too_long_for_l1(engine, len(prompt) + max_new, self.counters)
         self.scheduler.submit(OnlineRequest(key, run, lambda result: self._finished(key, result)))
 
-    @staticmethod
-    def _hook(job: Job | None, ends: Callable[[int], bool], sampler: Sampler | None) -> TokenHook:
+    def _hook(
+        self, job: Job | None, ends: Callable[[int], bool], sampler: Sampler | None
+    ) -> TokenHook:
         def on_token(token: int) -> bool:
             if job is not None:
-                job.emit("token", token_event(token, sampler))
+                self._emit(job, "token", token_event(token, sampler))
             return ends(token)
 
         return on_token
@@ -147,13 +150,32 @@ class BatchRun:
             self.counters.uncached += int(result.cached == 0)
         job = self.jobs.pop(key, None)
         if job is not None:
-            job.emit("done", JobOutcome(result.output_ids, result.cached, False, result))
+            self._emit(job, "done", JobOutcome(result.output_ids, result.cached, False, result))
+
+    def _emit(self, job: Job, kind: str, value: Any) -> None:
+        # Held until flush(): one wake-up of each HTTP loop per step, not one per token
+        # (each call_soon_threadsafe writes to the loop's self-pipe).
+        self._outbox.append((job, kind, value))
+
+    def flush(self) -> None:
+        """Deliver the events held since the last flush, in order, one hand-off per loop."""
+        if not self._outbox:
+            return
+        by_loop: dict[Any, list[tuple[Job, str, Any]]] = {}
+        for item in self._outbox:
+            by_loop.setdefault(item[0].loop, []).append(item)
+        self._outbox = []
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def advance(self) -> None:
         """One scheduler step when anything is in flight; the integrity check owed to
         an abort once no transfer holds host reservations."""
         if not self.scheduler.idle:
-            self.scheduler.step()
+            try:
+                self.scheduler.step()
+            finally:
+                self.flush()
         self._count()
         if self._check_pending and not self.scheduler.transfers_in_flight:
             self._check_pending = False
@@ -169,6 +191,12 @@ class BatchRun:
         with self.counters.lock:
             self.counters.running = self.scheduler.num_in_flight
             self.counters.peak_running = max(self.counters.peak_running, self.scheduler.num_running)
+
+
+def _deliver(items: list[tuple[Job, str, Any]]) -> None:
+    # On the HTTP loop: what Job.emit would have put on each job's queue.
+    for job, kind, value in items:
+        job.events.put_nowait((kind, value))
 
 
 class BatchWorker(threading.Thread):
@@ -218,6 +246,7 @@ class BatchWorker(threading.Thread):
         except BaseException as err:  # a lost peer or an engine bug: the server stops
             self.failure = err
             log.exception("runtime.server: the engine thread failed")
+            self.batch.flush()
             for job in list(self.jobs.values()):
                 job.emit("error", "the engine has stopped")
             self.jobs.clear()

@@ -72,6 +72,21 @@ def test_decode_batch_equals_sequential(kind: str, root: Path) -> None:
     assert torch.equal(batch_one, single)  # decode is decode_batch of one, exactly
 
 
+@pytest.mark.parametrize("kind", ("tiny", "qwen3_next"))
+def test_decode_batch_all_paged_equals_sequential(kind: str, root: Path) -> None:
+    # Every sequence paged: attention runs the batch at once (one K/V write per pool, one
+    # padded gather of every sequence's keys, one masked matmul pair), the reference one
+    # sequence at a time. Same bound as above; the padding adds exact zeros.
+    from runtime.model import state as state_module
+
+    state_module._slots_cache = (None, None)
+    got = batch_vs_sequential(_model(kind, root), all_paged=True)
+    assert state_module._slots_cache[0] is not None  # the batched path ran
+    torch.testing.assert_close(got["batched"], got["sequential"], atol=BATCH_ATOL, rtol=0)
+    b_ids, s_ids = got["ids"]
+    assert b_ids == s_ids
+
+
 def test_paged_state_checks() -> None:
     model = HybridModel(preset("tiny"), page_size=8)
     pools = pools_for(model, num_pages=8, num_slots=2)
