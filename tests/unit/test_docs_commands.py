@@ -126,6 +126,11 @@ def _python_call(head: str, rest: list[str], where: str) -> list[Call]:
     i = 0
     while i < len(rest):
         token = rest[i]
+        if token == "-m" and rest[i + 1] == "runtime.torchrun":  # torchrun's flags follow
+            return [
+                Call("module", rest[i + 1], [], where),
+                *_python_call("torchrun", rest[i + 2 :], where),
+            ]
         if token == "-m":
             return [Call("module", rest[i + 1], rest[i + 2 :], where)]
         if not token.startswith("-"):
