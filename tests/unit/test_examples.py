@@ -16,7 +16,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 def test_there_are_examples() -> None:
-    assert [p.name for p in EXAMPLES] == ["quickstart.py"]
+    assert [p.name for p in EXAMPLES] == ["quickstart.py", "tiny_engine.py"]
     assert (ROOT / "examples" / "engine_integration.md").is_file()
 
 
