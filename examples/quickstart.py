@@ -54,7 +54,7 @@ def serve(cache: HiCache, prompt: list[int]) -> tuple[int, tuple[int, int, int]]
     reused prefix length and the tokens served per tier (L1, L2, L3)."""
     # Match one token short: the last prompt token is always computed (its logits
     # start decoding).
-    req = cache.match(prompt[:-1])
+    req = cache.match(prompt, leave_one=True)
     try:
         cache.load(req)  # stop the L3 prefetch, start host -> device (layer-wise)
         for layer in range(4):

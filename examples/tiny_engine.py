@@ -324,6 +324,7 @@ def run(mesh: DeviceMesh, root: str, rank: int) -> None:
             prompt = next_prompt(i, outputs)
             output, logits, served = serve(model, cache, prompt)
             outputs.append(output)
+            cache.step()  # once per scheduler step: consume finished backups (collective)
             want_output, want_logits = recompute(model, prompt)
             diff = float((logits - want_logits).abs().max())
             if output != want_output or diff > TOLERANCE:

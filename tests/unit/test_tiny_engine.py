@@ -64,3 +64,22 @@ def test_one_rank_runs_twice_on_one_root_and_exits_normally(tmp_path: Path) -> N
     assert second[0] == (20, 0, 0, 20)
     assert second[1][0] == 24 and second[1][3] > 0
     assert runs[1:] == [second] * 4  # every later process sees the same tiers
+
+
+def _code_lines(text: str) -> list[str]:
+    lines = []
+    for line in text.splitlines():
+        code = line.split("#", 1)[0].strip()
+        if code:
+            lines.append(re.sub(r"\s+", " ", code))
+    return lines
+
+
+def test_engine_guide_excerpts_are_tiny_engine_code() -> None:
+    guide = (ROOT / "docs" / "engine_guide.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert len(blocks) >= 6, "the guide's python blocks are excerpts of the engine"
+    engine = set(_code_lines(ENGINE.read_text()))
+    missing = [line for b in blocks for line in _code_lines(b) if line not in engine]
+    assert missing == [], f"docs/engine_guide.md lines not in examples/tiny_engine.py: {missing}"
+    assert "### The prefill split" in guide  # HiCache.insert's error message points here
