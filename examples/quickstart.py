@@ -14,7 +14,7 @@ same calls in the same order (this program runs on a one-rank mesh).
 
 from __future__ import annotations
 
-import os
+import gc
 import subprocess
 import sys
 import tempfile
@@ -54,7 +54,7 @@ def serve(cache: HiCache, prompt: list[int]) -> tuple[int, tuple[int, int, int]]
     reused prefix length and the tokens served per tier (L1, L2, L3)."""
     # Match one token short: the last prompt token is always computed (its logits
     # start decoding).
-    req = cache.match(prompt[:-1])
+    req = cache.match(prompt, leave_one=True)
     try:
         cache.load(req)  # stop the L3 prefetch, start host -> device (layer-wise)
         for layer in range(4):
@@ -142,11 +142,11 @@ def first_process(root: str) -> None:
 
 
 def second_process(root: str) -> None:
-    cache = build_cache(root)  # new process: empty L1 and L2, the same L3 root
-    n, served = serve(cache, PROMPT + [4, 5])
+    # New process: empty L1 and L2, the same L3 root; close() when the block ends.
+    with build_cache(root) as cache:
+        n, served = serve(cache, PROMPT + [4, 5])
     print(f"process 2: reused {n} tokens, per tier (L1, L2, L3) {served}")
     assert n == 96 and served[2] == 96, "the prefix comes from L3"
-    cache.close()
     dist.destroy_process_group()
 
 
@@ -163,8 +163,9 @@ def main() -> int:
 
 if __name__ == "__main__":
     code = main()
-    sys.stdout.flush()
-    # Leave without interpreter finalization: gloo's worker threads may still be dropping
-    # a finished collective's tensors, which takes the GIL and aborts a finalizing
-    # interpreter (the runtime's entry points do the same: runtime.launch.exit_process).
-    os._exit(code)
+    # Exit normally, once no process group is left alive: the cache and the mesh are gone
+    # with the functions that held them, and a collection ends their reference cycles, so
+    # every gloo worker thread is joined before the interpreter finalizes (a thread still
+    # dropping a collective's tensors then would abort the process; docs/engine_guide.md).
+    gc.collect()
+    sys.exit(code)

@@ -7,8 +7,14 @@ Three families:
   (``mla=True, values=False, num_kv_heads=1``), replicated over tp.
 - ``MAMBA`` (recurrent): per layer a conv state ``[conv_dim, conv_kernel - 1]`` and a
   recurrent state ``[num_heads, head_dim, state_dim]``, one per prefix boundary (a "slot"),
-  not per token. Conv channels are ordered head-major (each head owns ``conv_dim / num_heads``
-  consecutive channels), so a tp shard of the heads is a contiguous block of channels.
+  not per token. Conv channel order: with ``num_groups=0`` head-major (head ``s`` owns
+  channels ``[s*conv_dim/num_heads, (s+1)*conv_dim/num_heads)``), so tp rank ``t`` holds the
+  contiguous block ``[t*conv_dim/tp, (t+1)*conv_dim/tp)``; with ``num_groups > 0``
+  group-major (per group: the channels of its heads, then the group's shared channels,
+  B then C), and tp rank ``t`` holds, in that order, the channels of its heads and of its
+  groups (``ssm_group_range``: whole groups when ``num_groups >= tp``, a contiguous block;
+  else its heads' channels then its one group's B and C, replicated on the ranks of that
+  group). The cached conv state of a rank is exactly its conv's channels in that order.
   It is the one recurrent family (``RecurrentSpec``): the cache never asks which
   recurrence produced a state. Mamba-2 declares it directly; Gated DeltaNet through
   :meth:`MambaSpec.gated_deltanet` (its state kept as ``[value_heads, value_dim, key_dim]``),
@@ -109,7 +115,8 @@ class MambaSpec:
     layer_ids: tuple[int, ...]
     """Global ids of the SSM layers, strictly increasing."""
     conv_dim: int
-    """Channels of the causal depthwise conv (head-major: a multiple of ``num_heads``)."""
+    """Channels of the causal depthwise conv: a multiple of ``num_heads``, head-major, when
+    ``num_groups`` is 0; else group-major (``num_groups``)."""
     conv_kernel: int
     """Conv kernel width; the state keeps the last ``conv_kernel - 1`` inputs (>= 2)."""
     num_heads: int

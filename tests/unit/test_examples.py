@@ -16,7 +16,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 def test_there_are_examples() -> None:
-    assert [p.name for p in EXAMPLES] == ["quickstart.py"]
+    assert [p.name for p in EXAMPLES] == ["quickstart.py", "tiny_engine.py"]
     assert (ROOT / "examples" / "engine_integration.md").is_file()
 
 
@@ -31,6 +31,7 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         timeout=200,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]  # a clean exit
     assert f"{example.stem}: OK" in proc.stdout
     if example.name == "quickstart.py":  # the second process read the prefix from L3
         assert "process 2: reused 96 tokens, per tier (L1, L2, L3) (0, 0, 96)" in proc.stdout
