@@ -7,6 +7,11 @@ recurrent state), so the layer is in both cached families. Falcon-H1's muP multi
 (attention in/out, key, SSM in/out, per-segment SSM) are linear maps around the
 projections: the checkpoint adapter folds them into the projection weights, so nothing
 here scales.
+
+One tp all-reduce per layer: attention uses its tp comm only to reduce its output
+projection, and Mamba-2 likewise unless its B/C groups are split over tp (its grouped
+norm then sums squares over tp first), so both run with a one-rank comm and the sum of
+their partial outputs is reduced once; with split groups the two reduce separately.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class ParallelMixer:
         self.attention = attention
         self.recurrent = recurrent
         self.layer_id = attention.layer_id
+        self._partial = AxisComm.solo()  # a comm whose all_reduce is the identity
 
     def to(self, device: torch.device) -> None:
         self.attention.to(device)
@@ -38,10 +44,16 @@ class ParallelMixer:
     ) -> Tensor:
         """This rank's chunk (see :meth:`Attention.prefill` / :meth:`Mamba2.forward`);
         extends the layer's K/V and replaces its conv / SSM state."""
-        attn = self.attention.prefill(x, bounds, state, cp, tp)
-        return self.recurrent.forward(x, bounds, state, cp, tp) + attn
+        if self.recurrent.split_group:
+            attn = self.attention.prefill(x, bounds, state, cp, tp)
+            return self.recurrent.forward(x, bounds, state, cp, tp) + attn
+        attn = self.attention.prefill(x, bounds, state, cp, self._partial)
+        return tp.all_reduce(self.recurrent.forward(x, bounds, state, cp, self._partial) + attn)
 
     def decode(self, x: Tensor, states: Sequence[SeqState], cp: AxisComm, tp: AxisComm) -> Tensor:
         """One token per state, ``x`` ``[B, D]`` (see :meth:`Attention.decode`)."""
-        attn = self.attention.decode(x, states, cp, tp)
-        return self.recurrent.decode(x, states, tp) + attn
+        if self.recurrent.split_group:
+            attn = self.attention.decode(x, states, cp, tp)
+            return self.recurrent.decode(x, states, tp) + attn
+        attn = self.attention.decode(x, states, cp, self._partial)
+        return tp.all_reduce(self.recurrent.decode(x, states, self._partial) + attn)
