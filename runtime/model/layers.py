@@ -372,9 +372,10 @@ class Mamba2:
     per local group ``[x of its local heads, B_g, C_g]``, which is also the order of the
     cached conv state. Weights: ``w_in`` ``[S*P + C + S, D]`` (z, xBC and dt fused; ``w_xbc``
     is a view of its xBC rows), ``conv_w`` ``[C, K]``, ``conv_b`` ``[C]``,
-    ``dt_bias``/``a_log``/``d_skip`` ``[S]`` (float32), ``norm_w`` ``[S*P]`` (RMSNorm of the
-    gated output over each whole group; a group split over tp ranks sums its squares over
-    tp), ``w_out`` ``[D, S*P]``.
+    ``dt_bias``/``a_log``/``d_skip`` ``[S]`` (float32), ``norm_w`` ``[S*P]`` (RMSNorm over
+    each whole group of the gated output, or of the output before the gate, or none:
+    ``ModelConfig.ssm_norm``; a group split over tp ranks sums its squares over tp),
+    ``w_out`` ``[D, S*P]``.
     """
 
     def __init__(
