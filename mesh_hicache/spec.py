@@ -31,8 +31,11 @@ Three families:
   (:mod:`mesh_hicache.window` holds the rules). Their K/V shapes are the KV family's.
 
 Layer ids are global model layer indices; the ids of all families together are exactly
-``range(num_layers)`` (a hybrid model: some layers attention, the others SSM). KV and
-MAMBA layers never overlap; INDEXER layers are a subset of the KV layers.
+``range(num_layers)`` (a hybrid model: some layers attention, the others SSM). A layer
+may be in both KV and MAMBA (a parallel layer, Falcon-H1: attention and Mamba-2 on the
+same input): it then keeps K/V pages and a state slot, each in its own region, and
+nothing below the spec asks which layers overlap. INDEXER layers are a subset of the KV
+layers.
 Specs are validated on construction; ``check_tp(tp)`` validates the split over a tp axis.
 """
 
@@ -349,13 +352,9 @@ class StateSpec:
         _check_positive("StateSpec", page_size=self.page_size)
         if self.kv is None and self.mamba is None:
             raise ValueError("StateSpec needs kv or mamba (or both); got neither")
+        # KV and MAMBA layers may overlap: a parallel layer keeps both (module doc).
         kv_layers = set(self.kv.layer_ids) if self.kv else set()
         mamba_layers = set(self.mamba.layer_ids) if self.mamba else set()
-        if kv_layers & mamba_layers:
-            raise ValueError(
-                f"StateSpec.kv.layer_ids and StateSpec.mamba.layer_ids overlap at "
-                f"{sorted(kv_layers & mamba_layers)}"
-            )
         if self.indexer is not None and not set(self.indexer.layer_ids) <= kv_layers:
             raise ValueError(
                 f"StateSpec.indexer.layer_ids {self.indexer.layer_ids} must be attention "
@@ -402,13 +401,28 @@ class StateSpec:
     def has_mamba(self) -> bool:
         return self.mamba is not None
 
+    def layer_families(self, layer_id: int) -> tuple[Family, ...]:
+        """The families ``layer_id`` keeps state in, in the order (KV, MAMBA): one for an
+        attention or an SSM layer, both for a parallel layer. ``ValueError`` for a layer
+        outside ``range(num_layers)``."""
+        out = tuple(
+            fam
+            for fam, sub in ((Family.KV, self.kv), (Family.MAMBA, self.mamba))
+            if sub is not None and layer_id in sub.layer_ids
+        )
+        if not out:
+            raise ValueError(f"layer {layer_id} is not in range({self.num_layers})")
+        return out
+
     def layer_family(self, layer_id: int) -> Family:
-        """KV for an attention layer, MAMBA for an SSM layer."""
-        if self.kv is not None and layer_id in self.kv.layer_ids:
-            return Family.KV
-        if self.mamba is not None and layer_id in self.mamba.layer_ids:
-            return Family.MAMBA
-        raise ValueError(f"layer {layer_id} is not in range({self.num_layers})")
+        """KV for an attention layer, MAMBA for an SSM layer; ``ValueError`` for a layer in
+        both families (use :meth:`layer_families`) or outside ``range(num_layers)``."""
+        families = self.layer_families(layer_id)
+        if len(families) > 1:
+            raise ValueError(
+                f"layer {layer_id} is in {[f.value for f in families]}: use layer_families"
+            )
+        return families[0]
 
     def check_tp(self, tp: int) -> None:
         """Raise ``ValueError`` unless every family splits (or replicates) evenly over ``tp``."""

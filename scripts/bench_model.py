@@ -5,6 +5,7 @@
     python scripts/bench_model.py --arch nemotron_h --json out.json
     python scripts/bench_model.py --arch deepseek_v32 --lengths 256 1024   # MLA + DSA
     python scripts/bench_model.py --arch jamba --lengths 256 1024          # Mamba-1 + MoE
+    python scripts/bench_model.py --arch falcon_h1 --lengths 256 1024      # attention || Mamba-2
 
 One process, one rank, float32, pinned threads (``--threads``; the process is also
 pinned to that many cores when the OS allows). For each prefill length the two
@@ -46,7 +47,7 @@ from runtime.model import HybridModel, preset  # noqa: E402
 
 ARCHS = (
     "granite_moe", "granite_dense", "bamba", "nemotron_h", "qwen3_next", "qwen35", "deepseek_v32",
-    "gpt_oss", "gemma3", "jamba",
+    "gpt_oss", "gemma3", "jamba", "falcon_h1",
 )  # fmt: skip
 
 
@@ -163,6 +164,21 @@ def build_checkpoint(arch: str, directory: Path) -> Path:
             mamba_expand=2,
         )
         model = transformers.JambaForCausalLM(config)
+    elif arch == "falcon_h1":  # every layer attention and Mamba-2 in parallel, muP != 1
+        config = transformers.FalconH1Config(
+            **common,
+            **mamba,
+            mamba_n_groups=1,
+            mamba_d_ssm=16 * 64,
+            num_hidden_layers=len(layers),
+            intermediate_size=1536,
+            embedding_multiplier=5.0,
+            lm_head_multiplier=0.05,
+            key_multiplier=0.4,
+            ssm_out_multiplier=0.25,
+            ssm_multipliers=[0.35, 0.25, 0.5, 0.35, 0.35],
+        )
+        model = transformers.FalconH1ForCausalLM(config)
     elif arch == "bamba":
         config = transformers.BambaConfig(
             **common,

@@ -21,6 +21,7 @@ from runtime.model.config import preset
 from tests import (
     checkpoint_cases,
     deepseek_cases,
+    falcon_h1_cases,
     jamba_cases,
     lfm2_cases,
     qwen_cases,
@@ -37,6 +38,7 @@ FAMILIES = (
     *window_cases.CASES,
     *jamba_cases.CASES,
     *lfm2_cases.CASES,
+    *falcon_h1_cases.CASES,
     "deepseek_v32",
     "deepseek_ties",
 )
@@ -56,6 +58,8 @@ def build_family(name: str, root: Path) -> tuple[HybridModel, Path | None]:
         directory = jamba_cases.build(name, root)
     elif name in lfm2_cases.CASES:
         directory = lfm2_cases.build(name, root)
+    elif name in falcon_h1_cases.CASES:
+        directory = falcon_h1_cases.build(name, root)
     elif name == "deepseek_v32":
         directory = deepseek_cases.build(root)
     else:

@@ -90,12 +90,16 @@ def _segment(pos: int, part: str, paged: bool, dev: torch.Tensor, host: torch.Te
 def build_segments(
     device_pools: DevicePools, host_pools: HostPools, layer_ids: tuple[int, ...]
 ) -> tuple[Segment, ...]:
-    """Every segment of ``layer_ids`` in copy order (layer, then k, v, indexer / conv, ssm)."""
+    """Every segment of ``layer_ids`` in copy order (layer, then k, v, indexer, conv, ssm:
+    the parts of the layer's families)."""
     dev, host, spec = device_pools, host_pools, device_pools.layout.spec
     indexer_layers = set(dev.layers(Family.INDEXER))
     out: list[Segment] = []
     for pos, layer in enumerate(layer_ids):
-        if spec.layer_family(layer) is Family.KV:
+        # A layer in both families (a parallel layer) has its paged parts, then its slot
+        # parts: each family's segments come from its own region.
+        families = spec.layer_families(layer)
+        if Family.KV in families:
             kv = host.local(RegionName.KV)[:, host.region(RegionName.KV).layer_row(layer)]
             out.append(_segment(pos, "k", True, dev.k(layer), kv[:, 0]))
             if spec.kv is not None and spec.kv.values:  # keys-only (MLA latent): no V
@@ -104,15 +108,14 @@ def build_segments(
                 row = host.region(RegionName.INDEXER).layer_row(layer)
                 idx = host.local(RegionName.INDEXER)[:, row]
                 out.append(_segment(pos, "indexer", True, dev.indexer(layer), idx))
-        else:
+        if Family.MAMBA in families:
             row = host.region(RegionName.MAMBA_CONV).layer_row(layer)
             conv = host.local(RegionName.MAMBA_CONV)[:, row]
             out.append(_segment(pos, "conv", False, dev.conv(layer), conv))
-            if not host.layout.has_region(RegionName.MAMBA_SSM):  # conv state only
-                continue
-            row = host.region(RegionName.MAMBA_SSM).layer_row(layer)
-            ssm = host.local(RegionName.MAMBA_SSM)[:, row]
-            out.append(_segment(pos, "ssm", False, dev.ssm(layer), ssm))
+            if host.layout.has_region(RegionName.MAMBA_SSM):  # else a conv state only
+                row = host.region(RegionName.MAMBA_SSM).layer_row(layer)
+                ssm = host.local(RegionName.MAMBA_SSM)[:, row]
+                out.append(_segment(pos, "ssm", False, dev.ssm(layer), ssm))
     return tuple(out)
 
 

@@ -2,7 +2,8 @@
 
 Supported: the hybrids ``GraniteMoeHybridForCausalLM`` (dense and MoE),
 ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``JambaForCausalLM`` (Mamba-1), the Gated
-DeltaNet and MLA families, LFM2's short convolutions (``Lfm2ForCausalLM``), the windowed
+DeltaNet and MLA families, LFM2's short convolutions (``Lfm2ForCausalLM``), Falcon-H1's
+parallel attention + Mamba-2 layers (``FalconH1ForCausalLM``), the windowed
 ``GptOssForCausalLM`` and ``Gemma3ForCausalLM``, and the dense attention decoders
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
 ``Qwen3MoeForCausalLM``. Needs ``safetensors`` (``pip install -e '.[hf]'``)::

@@ -39,6 +39,10 @@ class TensorRef:
     gpt-oss's ``gate_up_proj``: gate at even, up at odd columns)."""
     transposed: bool = False
     """Stored as ``[in, out]`` (``x @ W``): logical rows are the stored last dim."""
+    scale: float = 1.0
+    """Multiplies the tensor as read (in float32, then back to the stored dtype): a
+    constant multiplier the checkpoint's model applies around a projection (Falcon-H1's
+    muP multipliers) folded into its weight."""
 
 
 class Adapter(Protocol):
@@ -156,6 +160,8 @@ class CheckpointWeights:
                 block = block[:, 0]
             parts.append(block.contiguous())
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if ref.scale != 1.0:
+            out = (out.float() * ref.scale).to(out.dtype)
         self.bytes_read += out.numel() * out.element_size()
         return out
 

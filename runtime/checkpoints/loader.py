@@ -20,6 +20,7 @@ from runtime.checkpoints import (
     bamba,
     deepseek_v32,
     dense,
+    falcon_h1,
     gemma3,
     gpt_oss,
     granitemoehybrid,
@@ -48,6 +49,7 @@ _ALL: tuple[Adapter, ...] = (
     gemma3.ADAPTER,
     jamba.ADAPTER,
     lfm2.ADAPTER,
+    falcon_h1.ADAPTER,
 )
 ADAPTERS: dict[str, Adapter] = {a.architecture: a for a in _ALL}
 SUPPORTED = tuple(sorted(ADAPTERS))

@@ -1,14 +1,16 @@
 """ModelConfig: the shapes of the hybrid model, its presets and its cached state.
 
 The model is a decoder whose layers follow ``layer_pattern``: ``"A"`` is a GQA attention
-layer, ``"S"`` a Mamba-2 SSM layer. A layer is one state-carrying mixer block plus the
-stateless feed-forward blocks that follow it in ``block_pattern`` (``"M"`` dense MLP,
-``"E"`` mixture of experts); by default every mixer is followed by one MLP. Feed-forward
-blocks before the first mixer belong to layer 0. Every block is pre-norm residual:
-``h += residual_scale * op(norm(h))``. The config also says exactly which state the
-serving cache must keep (:meth:`ModelConfig.state_spec`). Presets (``tiny``, ``small``)
-have seeded random weights; checkpoints (``runtime.checkpoints``) derive a config from
-their ``config.json``.
+layer, ``"S"`` a Mamba-2 SSM layer, ``"P"`` a parallel layer (Falcon-H1: attention and
+Mamba-2 on the same normed input, their outputs summed; it keeps K/V and a recurrent
+state). A layer is one state-carrying mixer block plus the stateless feed-forward blocks
+that follow it in ``block_pattern`` (``"M"`` dense MLP, ``"E"`` mixture of experts); by
+default every mixer is followed by one MLP. Feed-forward blocks before the first mixer
+belong to layer 0. Every block is pre-norm residual: ``h += residual_scale *
+op(norm(h))``. The config also says exactly which state the serving cache must keep
+(:meth:`ModelConfig.state_spec`). Presets (``tiny``, ``small``) have seeded random
+weights; checkpoints (``runtime.checkpoints``) derive a config from their
+``config.json``.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from mesh_hicache.spec import IndexerSpec, KVSpec, MambaSpec, StateSpec, WindowS
 
 ATTENTION = "A"
 SSM = "S"
+PARALLEL = "P"
+MIXERS = (ATTENTION, SSM, PARALLEL)
 MLP = "M"
 MOE = "E"
 MLP_KINDS = ("swiglu", "gelu", "relu2", "geglu", "swiglu_clamp")
 ROUTERS = ("softmax", "sigmoid")
 SSM_KINDS = ("mamba2", "gdn", "mamba1", "shortconv")
 ATTN_KINDS = ("plain", "gated", "mla", "windowed")
+SSM_NORMS = ("after_gate", "before_gate", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUMERICS_VERSION = 2
 """The runtime's numerics for given weights, part of every model id it derives. Bump it
@@ -45,7 +50,9 @@ class ModelConfig:
     d_model: int = 64
     """Width of the residual stream."""
     layer_pattern: str = "SSASSSAS"
-    """One letter per layer: ``A`` attention, ``S`` SSM. Layer ids are string indices."""
+    """One letter per layer: ``A`` attention, ``S`` SSM, ``P`` both in parallel (plain
+    attention and Mamba-2 on the same normed input, outputs summed: Falcon-H1; the layer
+    is in both cached families). Layer ids are string indices."""
     num_heads: int = 8
     """Attention query heads (divisible by tp)."""
     num_kv_heads: int = 2
@@ -79,7 +86,7 @@ class ModelConfig:
     router_has_bias: bool = False
     """The ``softmax`` router's logits have a bias (``router_bias``; gpt-oss)."""
     block_pattern: str = ""
-    """Blocks in order: ``A``/``S`` mixers (exactly ``layer_pattern``'s letters, in order),
+    """Blocks in order: ``A``/``S``/``P`` mixers (exactly ``layer_pattern``'s letters, in order),
     ``M`` dense MLP, ``E`` MoE. Empty: every mixer followed by one ``M``."""
     num_experts: int = 0
     """Routed experts of each ``E`` block."""
@@ -141,6 +148,10 @@ class ModelConfig:
     gated short convolution, ``runtime.model.shortconv``: ``ssm_heads`` is its channels
     (= ``d_model``), ``ssm_head_dim`` and ``ssm_state_dim`` are 1, ``conv_kernel`` is
     ``L_cache``; the cache keeps its conv state only)."""
+    ssm_norm: str = "after_gate"
+    """``mamba2``'s output norm (a grouped RMSNorm, weight ``ssm_norm``): ``after_gate``
+    ``norm(y * silu(z))`` (Mamba-2), ``before_gate`` ``norm(y) * silu(z)`` or ``none``
+    ``y * silu(z)`` (Falcon-H1's ``mamba_rms_norm=False``; no norm weight is read)."""
     ssm_dt_rank: int = 0
     """``mamba1``: rank of the low-rank step projection (``x_proj`` -> ``dt_proj``)."""
     attn_kind: str = "plain"
@@ -201,10 +212,24 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if not self.layer_pattern or set(self.layer_pattern) - {ATTENTION, SSM}:
+        if not self.layer_pattern or set(self.layer_pattern) - set(MIXERS):
             raise ValueError(
-                f"ModelConfig.layer_pattern must be a non-empty string of 'A' (attention) "
-                f"and 'S' (SSM), got {self.layer_pattern!r}"
+                f"ModelConfig.layer_pattern must be a non-empty string of 'A' (attention), "
+                f"'S' (SSM) and 'P' (both in parallel), got {self.layer_pattern!r}"
+            )
+        if PARALLEL in self.layer_pattern and (
+            self.attn_kind != "plain" or self.ssm_kind != "mamba2"
+        ):
+            raise ValueError(
+                f"ModelConfig: parallel ('P') layers need attn_kind='plain' and "
+                f"ssm_kind='mamba2', got {self.attn_kind!r} / {self.ssm_kind!r}"
+            )
+        if self.ssm_norm not in SSM_NORMS or (
+            self.ssm_norm != "after_gate" and self.ssm_kind != "mamba2"
+        ):
+            raise ValueError(
+                f"ModelConfig.ssm_norm={self.ssm_norm!r}; valid: {SSM_NORMS} (other than "
+                f"'after_gate' only for ssm_kind='mamba2')"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -231,9 +256,9 @@ class ModelConfig:
                 f"<= head_dim={self.head_dim}"
             )
         blocks = self.blocks
-        if set(blocks) - {ATTENTION, SSM, MLP, MOE}:
-            raise ValueError(f"ModelConfig.block_pattern={blocks!r} may hold only A, S, M, E")
-        if "".join(b for b in blocks if b in (ATTENTION, SSM)) != self.layer_pattern:
+        if set(blocks) - {*MIXERS, MLP, MOE}:
+            raise ValueError(f"ModelConfig.block_pattern={blocks!r} may hold only A, S, P, M, E")
+        if "".join(b for b in blocks if b in MIXERS) != self.layer_pattern:
             raise ValueError(
                 f"ModelConfig.block_pattern={blocks!r} must hold the mixers of "
                 f"layer_pattern={self.layer_pattern!r} in order"
@@ -361,7 +386,7 @@ class ModelConfig:
         groups: list[list[int]] = []
         leading: list[int] = []
         for b, kind in enumerate(self.blocks):
-            if kind in (ATTENTION, SSM):
+            if kind in MIXERS:
                 groups.append(leading + [b] if not groups else [b])
                 leading = []
             elif groups:
@@ -382,11 +407,13 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_pattern) if kind == ATTENTION)
+        """Layers with attention (``A`` and ``P``): the KV family's layer ids."""
+        return tuple(i for i, kind in enumerate(self.layer_pattern) if kind in "AP")
 
     @property
     def ssm_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.layer_pattern) if kind == SSM)
+        """Layers with a recurrent mixer (``S`` and ``P``): the recurrent family's ids."""
+        return tuple(i for i, kind in enumerate(self.layer_pattern) if kind in "SP")
 
     @property
     def ssm_inner(self) -> int:
@@ -430,7 +457,8 @@ class ModelConfig:
             raise ValueError(f"cp_kv='shard' needs page_size ({page_size}) divisible by cp={cp}")
 
     def state_spec(self, page_size: int) -> StateSpec:
-        """The state the cache keeps for this model: whole-model shapes, layer ids = pattern.
+        """The state the cache keeps for this model: whole-model shapes, layer ids = pattern
+        (a ``P`` layer is in both the KV and the recurrent family).
 
         KV and conv state use ``dtype``; the SSM state is float32.
         """

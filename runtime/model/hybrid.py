@@ -21,7 +21,7 @@ from mesh_hicache.layout import StateLayout, tp_split
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.spec import StateSpec
 from mesh_hicache.topology import MeshTopology
-from runtime.model.config import ATTENTION, MLP, SSM, ModelConfig
+from runtime.model.config import ATTENTION, MLP, PARALLEL, SSM, ModelConfig
 from runtime.model.ffn import DenseMLP, MoE
 from runtime.model.gated_attention import GatedAttention, GatedSharedMoE
 from runtime.model.gdn import GatedDeltaNet
@@ -29,6 +29,7 @@ from runtime.model.layers import Attention, Mamba2, RMSNorm
 from runtime.model.mamba1 import Mamba1
 from runtime.model.mla import MLAttention
 from runtime.model.parallel import AxisComm, MeshComms, cp_chunk_bounds, stage_layer_range
+from runtime.model.parallel_mixer import ParallelMixer
 from runtime.model.shortconv import ShortConv
 from runtime.model.state import PageTable, SeqState
 from runtime.model.weights import SeededWeights, WeightSource
@@ -49,7 +50,8 @@ class Layer:
     """One cache layer: its mixer block and the feed-forward blocks that go with it.
 
     Every block is pre-norm residual: ``h += residual_scale * op(norm(h))``. ``norm1`` /
-    ``mixer`` are the mixer block's norm and op.
+    ``mixer`` are the mixer block's norm and op; ``mixers`` the state-carrying ops (the
+    mixer, or a parallel layer's attention and recurrent mixer).
     """
 
     def __init__(
@@ -65,7 +67,10 @@ class Layer:
         self.scale = config.residual_scale
         self.blocks: list[tuple[RMSNorm, object]] = []
         self.post_norms: list[RMSNorm | None] = []
-        self.mixer: Attention | MLAttention | Mamba2 | GatedDeltaNet | Mamba1 | ShortConv
+        self.mixer: (
+            Attention | MLAttention | Mamba2 | GatedDeltaNet | Mamba1 | ShortConv | ParallelMixer
+        )
+        self.mixers: tuple[object, ...] = ()
         kinds: dict[str, type[Attention] | type[MLAttention]] = {
             "plain": Attention,
             "gated": GatedAttention,
@@ -95,6 +100,19 @@ class Layer:
             elif kind == SSM:
                 op = self.mixer = recurrent(config, prefix, layer_id, weights, tp)
                 self.norm1 = norm
+            elif kind == PARALLEL:  # config: plain attention and Mamba-2
+                attn = Attention(
+                    config,
+                    f"{prefix}.attn",
+                    layer_id,
+                    weights,
+                    tp,
+                    cp_kv=cp_kv,
+                    page_size=page_size,
+                )
+                ssm = Mamba2(config, f"{prefix}.ssm", layer_id, weights, tp)
+                op = self.mixer = ParallelMixer(attn, ssm)
+                self.norm1 = norm
             elif kind == MLP:
                 op = DenseMLP(config, prefix, weights, tp)
             else:
@@ -105,6 +123,10 @@ class Layer:
                 weight = norm_weight(weights, f"{prefix}.post_norm", config)
                 post = RMSNorm(weight, config.norm_eps)
             self.post_norms.append(post)
+        mixer = self.mixer
+        self.mixers = (
+            (mixer.attention, mixer.recurrent) if isinstance(mixer, ParallelMixer) else (mixer,)
+        )
 
     def to(self, device: torch.device) -> None:
         for norm, op in self.blocks:
@@ -124,7 +146,7 @@ class Layer:
     ) -> Tensor:
         for (norm, op), post in zip(self.blocks, self.post_norms, strict=True):
             x = norm(h)
-            if isinstance(op, (Attention, MLAttention)):
+            if isinstance(op, (Attention, MLAttention, ParallelMixer)):
                 h = self._add(h, op.prefill(x, bounds, state, comms.cp, comms.tp), post)
             elif isinstance(op, RECURRENT_MIXERS):
                 h = self._add(h, op.forward(x, bounds, state, comms.cp, comms.tp), post)
@@ -136,7 +158,7 @@ class Layer:
         # h [B, D]: one token per state; every op runs the batch (one tp reduce each).
         for (norm, op), post in zip(self.blocks, self.post_norms, strict=True):
             x = norm(h)
-            if isinstance(op, (Attention, MLAttention)):
+            if isinstance(op, (Attention, MLAttention, ParallelMixer)):
                 h = self._add(h, op.decode(x, states, comms.cp, comms.tp), post)
             elif isinstance(op, RECURRENT_MIXERS):
                 # Every cp rank runs the same tokens: the recurrence needs no cp exchange.
@@ -219,8 +241,7 @@ class HybridModel:
         """An empty state (no tokens) for this rank's layers and shards."""
         c, state, layout = self.config, SeqState(), self.layout
         kv_heads = layout.local_kv_heads if c.attention_layers else 0
-        for block in self.blocks:
-            mixer = block.mixer
+        for mixer in (m for block in self.blocks for m in block.mixers):
             if isinstance(mixer, MLAttention):
                 lid = mixer.layer_id
                 state.latent[lid] = torch.zeros(0, c.latent_dim, dtype=c.dtype, device=self.device)
@@ -231,6 +252,7 @@ class HybridModel:
                 empty = torch.zeros(0, kv_heads, c.head_dim, dtype=c.dtype, device=self.device)
                 state.k[mixer.layer_id], state.v[mixer.layer_id] = empty, empty.clone()
             else:
+                assert isinstance(mixer, RECURRENT_MIXERS)
                 channels = layout.local_conv_dim
                 state.conv[mixer.layer_id] = torch.zeros(
                     channels, c.conv_kernel - 1, dtype=c.dtype, device=self.device

@@ -372,9 +372,10 @@ class Mamba2:
     per local group ``[x of its local heads, B_g, C_g]``, which is also the order of the
     cached conv state. Weights: ``w_in`` ``[S*P + C + S, D]`` (z, xBC and dt fused; ``w_xbc``
     is a view of its xBC rows), ``conv_w`` ``[C, K]``, ``conv_b`` ``[C]``,
-    ``dt_bias``/``a_log``/``d_skip`` ``[S]`` (float32), ``norm_w`` ``[S*P]`` (RMSNorm of the
-    gated output over each whole group; a group split over tp ranks sums its squares over
-    tp), ``w_out`` ``[D, S*P]``.
+    ``dt_bias``/``a_log``/``d_skip`` ``[S]`` (float32), ``norm_w`` ``[S*P]`` (RMSNorm over
+    each whole group of the gated output, or of the output before the gate, or none:
+    ``ModelConfig.ssm_norm``; a group split over tp ranks sums its squares over tp),
+    ``w_out`` ``[D, S*P]``.
     """
 
     def __init__(
@@ -417,7 +418,10 @@ class Mamba2:
         self.dt_bias = weights.get(f"{prefix}.dt_bias", rows=heads).float()
         self.a_log = weights.get(f"{prefix}.A_log", rows=heads).float()
         self.d_skip = weights.get(f"{prefix}.D", rows=heads).float()
-        self.norm_w = weights.get(f"{prefix}.ssm_norm", rows=((h0 * p, h1 * p),)).to(dtype)
+        self.norm = c.ssm_norm
+        self.norm_w = torch.ones(0, dtype=dtype)  # ssm_norm="none": no weight
+        if self.norm != "none":
+            self.norm_w = weights.get(f"{prefix}.ssm_norm", rows=((h0 * p, h1 * p),)).to(dtype)
         self.w_out = weights.get(f"{prefix}.out", cols=((h0 * p, h1 * p),)).to(dtype)
 
     def to(self, device: torch.device) -> None:
@@ -466,9 +470,7 @@ class Mamba2:
             chained = combine_chunk_states(decays, states, state.ssm[lid])
             y = local.y + prefix_correction(dt, A, C, chained.initial[cp.rank])
             final_state = chained.final_state
-        y = y + self.d_skip[:, None] * xs
-        gated = y * F.silu(z.float().view(t, s, p))
-        y = self._gated_norm(gated.reshape(t, gs, s // gs * p), tp)
+        y = self._output(y + self.d_skip[:, None] * xs, z, tp)
         state.conv[lid] = after.T.contiguous()
         state.ssm[lid] = final_state
         return tp.all_reduce(F.linear(y.reshape(t, s * p).to(x.dtype), self.w_out))
@@ -495,9 +497,7 @@ class Mamba2:
         new = decay * ssm + inject
         y = torch.einsum("bgkpn,bgn->bgkp", new, C).reshape(b, s, p)
         new = new.view(b, s, p, n)
-        y = y + self.d_skip[:, None] * xs
-        gated = y * F.silu(z.float().view(b, s, p))
-        y = self._gated_norm(gated.reshape(b, gs, s // gs * p), tp)
+        y = self._output(y + self.d_skip[:, None] * xs, z, tp)
         for i, state in enumerate(states):
             state.conv[lid], state.ssm[lid] = after[i], new[i]
         return tp.all_reduce(F.linear(y.reshape(b, s * p).to(x.dtype), self.w_out))
@@ -515,6 +515,18 @@ class Mamba2:
         new = (decay * ssm.view(gs, -1, p, n) + inject).view(s, p, n)
         y = torch.einsum("gkpn,gn->gkp", new.view(gs, -1, p, n), C).reshape(1, s, p)
         return y, new
+
+    def _output(self, y: Tensor, z: Tensor, tp: AxisComm) -> Tensor:
+        """The scan output ``y`` ``[T, S, P]`` (float32) gated by ``silu(z)`` and normed per
+        ``self.norm`` (``ModelConfig.ssm_norm``): float32 ``[T, S*P]``."""
+        t, s, p = y.shape
+        gate = F.silu(z.float().view(t, s, p))
+        if self.norm == "none":
+            return (y * gate).reshape(t, s * p)
+        if self.norm == "before_gate":
+            normed = self._gated_norm(y.reshape(t, self.groups, -1), tp)
+            return (normed.reshape(t, s, p) * gate).reshape(t, s * p)
+        return self._gated_norm((y * gate).reshape(t, self.groups, -1), tp).reshape(t, s * p)
 
     def _gated_norm(self, y: Tensor, tp: AxisComm) -> Tensor:
         # RMS over each whole group [T, Gs, channels]; a group split over tp ranks adds

@@ -37,6 +37,9 @@ MLA blocks (``runtime.model.mla``): ``q_a`` ``[Lq, D]``, ``q_a_norm`` ``[Lq]``, 
 ``[Hi*Di, Lq]``, ``index_k`` ``[Di, D]``, ``index_norm`` / ``index_norm_bias`` ``[Di]``,
 ``index_w`` ``[Hi, D]``.
 
+Parallel blocks (``P``, Falcon-H1) hold both mixers' tensors under ``blocks.b.attn.*``
+(``q``, ``k``, ``v``, ``o``) and ``blocks.b.ssm.*`` (the SSM names above).
+
 Windowed attention blocks (``runtime.model.windowed``) add, by config: ``{q,k,v,o}_bias``
 (``[H*E]``, ``[G*E]``, ``[D]``), ``sinks`` ``[H]``, ``q_norm`` / ``k_norm`` ``[E]``. With
 ``sandwich_norm`` every block has ``post_norm`` ``[D]``; ``swiglu_clamp`` MLPs have
@@ -52,7 +55,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from runtime.model.config import ATTENTION, MLP, MOE, SSM, ModelConfig
+from runtime.model.config import ATTENTION, MIXERS, MLP, MOE, PARALLEL, SSM, ModelConfig
 
 Ranges = tuple[tuple[int, int], ...]
 """Half-open index ranges along one dim, concatenated in order."""
@@ -133,7 +136,7 @@ class SeededWeights:
         kind = c.blocks[b]
         layer = self._layer_of_block[b]
         if param == "norm":
-            first_mixer = kind in (ATTENTION, SSM)
+            first_mixer = kind in MIXERS
             legacy = f"layers.{layer}.norm1" if first_mixer else f"layers.{layer}.norm2"
             if c.block_pattern:  # non-default patterns: one name per block
                 legacy = f"blocks.{b}.norm"
@@ -142,6 +145,9 @@ class SeededWeights:
             return self._attention(layer, param)
         if kind == SSM:
             return self._ssm(layer, param)
+        if kind == PARALLEL:  # "attn.{param}" / "ssm.{param}": the two mixers' tensors
+            part, rest = param.split(".", 1)
+            return self._attention(layer, rest) if part == "attn" else self._ssm(layer, rest)
         prefix = f"layers.{layer}.mlp" if not c.block_pattern else f"blocks.{b}"
         if kind == MLP:
             return self._mlp(prefix, param, c.mlp_hidden)

@@ -6,7 +6,9 @@ plus a few new tokens and compares with a recompute (no cache) on the reader mes
 greedy tokens must be equal, logits within ``ATOL``, the hit must come from L3 and be
 counted as resharded. The tiny model is hybrid (KV + Mamba-2 state, 2 B/C groups,
 2 KV heads), so the recurrent state crosses every mesh change too, and tp=4 exercises
-duplicated KV heads and replicated B/C conv channels.
+duplicated KV heads and replicated B/C conv channels. ``PARALLEL_CASES`` run the same
+model with layers ``PSAP`` (two layers in both families: attention and Mamba-2 in
+parallel), so one layer's K/V pages and its state slot cross the mesh change together.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in (6 * PAGE, 5 * PAGE + 5)]
 
 
-def _phase(mesh, cp_kv: str, root: str, read: bool):
+def _phase(mesh, cp_kv: str, root: str, read: bool, pattern: str = ""):
     topo = MeshTopology.from_mesh(mesh)
-    config = preset("tiny", ssm_groups=2)
+    config = preset("tiny", ssm_groups=2, **({"layer_pattern": pattern} if pattern else {}))
     model = HybridModel(config, topo, cp_kv=cp_kv, page_size=PAGE)
     cfg = HiCacheConfig(
         device_pages=16,
@@ -68,10 +70,10 @@ def _phase(mesh, cp_kv: str, root: str, read: bool):
     return out
 
 
-def _write_then_read(tmp_path, writer, w_kv, reader, r_kv, timeout=240):
+def _write_then_read(tmp_path, writer, w_kv, reader, r_kv, timeout=240, pattern=""):
     root = str(tmp_path / "l3")
-    run_on_mesh(writer, _phase, w_kv, root, False, timeout=timeout)
-    return run_on_mesh(reader, _phase, r_kv, root, True, timeout=timeout)
+    run_on_mesh(writer, _phase, w_kv, root, False, pattern, timeout=timeout)
+    return run_on_mesh(reader, _phase, r_kv, root, True, pattern, timeout=timeout)
 
 
 CASES = [
@@ -87,9 +89,26 @@ CASES = [
 ]
 
 
+PARALLEL_CASES = [
+    pytest.param((1, 1, 1), "replicate", (1, 1, 2), "replicate", id="parallel-tp1->2"),
+    pytest.param((1, 1, 2), "replicate", (1, 1, 4), "replicate", id="parallel-tp2->4"),
+    pytest.param((2, 1, 1), "replicate", (1, 1, 1), "replicate", id="parallel-pp2->1"),
+    pytest.param((1, 2, 1), "shard", (1, 2, 1), "replicate", id="parallel-cpkv_shard->rep"),
+    pytest.param((1, 2, 2), "replicate", (2, 1, 2), "replicate", id="parallel-1x2x2->2x1x2"),
+]
+
+
 @pytest.mark.parametrize(("writer", "w_kv", "reader", "r_kv"), CASES)
 def test_read_under_another_mesh(tmp_path, writer, w_kv, reader, r_kv):
-    out = _write_then_read(tmp_path, writer, w_kv, reader, r_kv)
+    _check_read(_write_then_read(tmp_path, writer, w_kv, reader, r_kv))
+
+
+@pytest.mark.parametrize(("writer", "w_kv", "reader", "r_kv"), PARALLEL_CASES)
+def test_parallel_layers_read_under_another_mesh(tmp_path, writer, w_kv, reader, r_kv):
+    _check_read(_write_then_read(tmp_path, writer, w_kv, reader, r_kv, pattern="PSAP"))
+
+
+def _check_read(out: list) -> None:
     for rank_out in out:
         assert rank_out == out[0] or rank_out[:-1] == out[0][:-1], "ranks disagree"
         *checks, resharded = rank_out

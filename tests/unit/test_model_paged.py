@@ -4,7 +4,8 @@ Paged vs contiguous: the same rows, the same ops, so float32 logits within 1e-5 
 equal) and the pool rows equal the contiguous state's rows exactly. Batched vs sequential
 decode: the B rows share every GEMM, which may change its reduction order, so logits
 within BATCH_ATOL = 1e-4 (float32; measured below 1e-5) and identical greedy tokens.
-Models: attention + Mamba-2 (tiny preset), Qwen3-Next (gated attention + Gated DeltaNet +
+Models: attention + Mamba-2 (tiny preset; ``parallel``: its layers ``PSAP``, two of them
+attention and Mamba-2 in parallel), Qwen3-Next (gated attention + Gated DeltaNet +
 MoE with a gated shared expert) and DeepSeek-V3.2 (MLA + lightning indexer + MoE), the
 last two from tiny transformers checkpoints.
 """
@@ -39,12 +40,14 @@ def root(tmp_path_factory) -> Path:
 def _model(kind: str, root: Path, page_size: int = 8) -> HybridModel:
     if kind == "tiny":
         return HybridModel(preset("tiny"), page_size=page_size)
+    if kind == "parallel":
+        return HybridModel(preset("tiny", layer_pattern="PSAP"), page_size=page_size)
     directory = deepseek_cases.build(root) if kind == "mla" else qwen_cases.build(kind, root)
     ckpt = load_checkpoint(directory)
     return HybridModel(ckpt.config, page_size=page_size, weights=ckpt.weights)
 
 
-KINDS = ("tiny", "qwen3_next", "mla")
+KINDS = ("tiny", "parallel", "qwen3_next", "mla")
 
 
 @pytest.mark.parametrize(
@@ -72,7 +75,7 @@ def test_decode_batch_equals_sequential(kind: str, root: Path) -> None:
     assert torch.equal(batch_one, single)  # decode is decode_batch of one, exactly
 
 
-@pytest.mark.parametrize("kind", ("tiny", "qwen3_next"))
+@pytest.mark.parametrize("kind", ("tiny", "parallel", "qwen3_next"))
 def test_decode_batch_all_paged_equals_sequential(kind: str, root: Path) -> None:
     # Every sequence paged: attention runs the batch at once (one K/V write per pool, one
     # padded gather of every sequence's keys, one masked matmul pair), the reference one

@@ -57,6 +57,21 @@ def _specs() -> dict[str, StateSpec]:
             kv=KVSpec(layer_ids=(0, 2), num_kv_heads=4, head_dim=2),
             mamba=headmajor,
         ),
+        # Falcon-H1-like: every layer in both families (attention and Mamba-2 in parallel).
+        "parallel": StateSpec(
+            model_id="test-model",
+            page_size=4,
+            kv=KVSpec(layer_ids=tuple(range(5)), num_kv_heads=2, head_dim=3),
+            mamba=MambaSpec(
+                layer_ids=tuple(range(5)),
+                conv_dim=4 * 2 + 2 * 2 * 3,
+                conv_kernel=3,
+                num_heads=4,
+                head_dim=2,
+                state_dim=3,
+                num_groups=2,
+            ),
+        ),
         "kv_gqa1": StateSpec(
             model_id="test-model",
             page_size=4,

@@ -46,12 +46,6 @@ def test_hybrid_spec():
         (lambda: mamba(ssm_dtype="float32"), "ssm_dtype"),
         (
             lambda: StateSpec(
-                model_id="test-model", page_size=4, kv=kv(layer_ids=(0, 2)), mamba=mamba()
-            ),
-            "overlap",
-        ),
-        (
-            lambda: StateSpec(
                 model_id="test-model",
                 page_size=4,
                 kv=kv(layer_ids=(0, 5)),
