@@ -317,8 +317,10 @@ def check_load_flags(args: argparse.Namespace) -> None:
 
 
 def check_size_flags(args: argparse.Namespace) -> None:
-    """``ValueError`` naming the flag for the page size and the L1 page count, checked
-    before the model and cache configs would reject them in their own words."""
+    """``ValueError`` naming the flag for the page size, the L1 page count and the
+    collective timeout, checked before the model and cache configs would reject them in
+    their own words."""
+    check_collective_timeout(args.collective_timeout_s)
     if args.page_size < 1:
         raise ValueError(f"--page-size must be >= 1 (tokens per page), got {args.page_size}")
     pages = args.device_pages  # None: sized from the machine
@@ -356,7 +358,6 @@ def check_run_flags(args: argparse.Namespace) -> None:
             load_secret(secret_file=args.storage_secret_file)
         except (TypeError, ValueError) as err:
             raise ValueError(f"--storage-secret-file: {err}") from None
-    check_collective_timeout(args.collective_timeout_s)
     if args.json:
         check_writable_file(args.json, "--json")
 
