@@ -523,10 +523,11 @@ class Mamba2:
         gate = F.silu(z.float().view(t, s, p))
         if self.norm == "none":
             return (y * gate).reshape(t, s * p)
+        grouped = (t, self.groups, s * p // self.groups)  # explicit: t may be 0 (empty cp chunk)
         if self.norm == "before_gate":
-            normed = self._gated_norm(y.reshape(t, self.groups, -1), tp)
+            normed = self._gated_norm(y.reshape(grouped), tp)
             return (normed.reshape(t, s, p) * gate).reshape(t, s * p)
-        return self._gated_norm((y * gate).reshape(t, self.groups, -1), tp).reshape(t, s * p)
+        return self._gated_norm((y * gate).reshape(grouped), tp).reshape(t, s * p)
 
     def _gated_norm(self, y: Tensor, tp: AxisComm) -> Tensor:
         # RMS over each whole group [T, Gs, channels]; a group split over tp ranks adds
