@@ -80,7 +80,11 @@ def conversations_from_workload(
 
 
 def run_rounds(
-    url: str, conversations: Sequence[Conversation], clients: int, max_tokens: int
+    url: str,
+    conversations: Sequence[Conversation],
+    clients: int,
+    max_tokens: int,
+    body: Mapping[str, Any] = GREEDY,
 ) -> tuple[list[RequestRecord], float]:
     """The conversations turn by turn, sessions interleaved as in ``runtime.workloads``:
     round t sends every session's turn t (``clients`` at a time) and waits for all of them,
@@ -96,7 +100,7 @@ def run_rounds(
             if turn:
                 prompts[c.index] += c.appends[turn - 1]
         batch = [Conversation(c.index, tuple(prompts[c.index]), ()) for c in live]
-        got, seconds = run_clients(url, servers.SERVED_NAME, batch, clients, max_tokens, GREEDY)
+        got, seconds = run_clients(url, servers.SERVED_NAME, batch, clients, max_tokens, body)
         wall += seconds
         for rec in got:
             prompts[rec.conversation] += rec.output_ids
@@ -177,15 +181,15 @@ class Bench:
             "kv_connector_extra_config": extra,
         }
 
-    def _drive_vllm(self, server: Any, rep: int, mode: str, stats: Path | None) -> ModeRun:
+    def _drive_vllm(
+        self, server: Any, rep: int, mode: str, stats: Path | None, body: Mapping[str, Any]
+    ) -> ModeRun:
         if self.warmup:
-            run_clients(
-                server.url, servers.SERVED_NAME, self.warmup, 1, self.args.max_tokens, GREEDY
-            )
+            run_clients(server.url, servers.SERVED_NAME, self.warmup, 1, self.args.max_tokens, body)
         before = servers.counter_sums(servers.scrape(server.url), servers.VLLM_METRICS)
         before |= servers.connector_counters(stats)
         records, wall = run_rounds(
-            server.url, self.conversations, self.args.clients, self.args.max_tokens
+            server.url, self.conversations, self.args.clients, self.args.max_tokens, body
         )
         text = servers.scrape(server.url)
         after = servers.counter_sums(text, servers.VLLM_METRICS)
@@ -203,10 +207,11 @@ class Bench:
         kv: Mapping[str, Any] | None,
         env: Mapping[str, str],
         stats: Path | None = None,
+        body: Mapping[str, Any] = GREEDY,
     ) -> ModeRun:
         server = self._vllm(kv, env)
         try:
-            return self._drive_vllm(server, rep, mode, stats)
+            return self._drive_vllm(server, rep, mode, stats, body)
         finally:
             server.stop()
 
@@ -221,15 +226,21 @@ class Bench:
                     raise Unavailable(
                         "no Mooncake store: run the bench under scripts/mooncake_local.sh"
                     )
+                run_id = f"bench-{uuid.uuid4().hex[:12]}"
                 config = servers.mooncake_config(
-                    run_dir / "mooncake.json", master, 256 << 20, f"bench-{uuid.uuid4().hex[:12]}"
+                    run_dir / "mooncake.json", master, 256 << 20, run_id
                 )
                 kv = {
                     "kv_connector": "MooncakeStoreConnector",
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": {},
                 }
-                return self._serve(rep, mode, kv, {"MOONCAKE_CONFIG_PATH": str(config)})
+                # The store outlives the run and its tenant_id does not separate keys (a
+                # second repetition found the first one's pages): a fresh cache_salt (part
+                # of vLLM's block hashes, so of the store's keys) starts each run cold.
+                body = {**GREEDY, "cache_salt": run_id}
+                env = {"MOONCAKE_CONFIG_PATH": str(config)}
+                return self._serve(rep, mode, kv, env, body=body)
             l3, stats = run_dir / "l3", run_dir / "stats.json"
             if mode in ("mesh-l2", "mesh-l2l3"):
                 policy = "write_back" if mode == "mesh-l2" else "write_through"

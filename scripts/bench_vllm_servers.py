@@ -271,8 +271,8 @@ def module_available(python: str, module: str, extra_pythonpath: Sequence[str]) 
 def mooncake_config(path: Path, master: str, buffer_bytes: int, tenant: str) -> Path:
     """The ``MOONCAKE_CONFIG_PATH`` json of vLLM's MooncakeStoreConnector: a client of the
     standalone store that ``scripts/mooncake_local.sh`` started (loopback, TCP; the store's
-    memory is the external ``mooncake_client``'s segment). ``tenant``: a fresh one per run
-    starts that run on an empty pool."""
+    memory is the external ``mooncake_client``'s segment). ``tenant``: the store's
+    tenant_id (it does not keep one run's keys from the next: the bench salts requests)."""
     path.write_text(
         json.dumps(
             {

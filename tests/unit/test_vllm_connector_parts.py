@@ -173,8 +173,42 @@ def test_unrestorable_group_gives_no_hit(tmp_path: Path) -> None:
     tokens = list(range(1, 1 + 2 * BLOCK + 1))
     a = _Engine(tmp_path, host_pages=8, plan=_plan("SlidingWindowSpec"))
     assert not a.sched.request_finished(_request("r1", tokens), ([0, 1, 2],))
-    assert a.sched.num_new_matched_tokens(_request("r2", tokens), 0) == (0, False)
+    r2 = _request("r2", tokens)
+    for _ in range(3):  # asked again while it waits
+        assert a.sched.num_new_matched_tokens(r2, 0) == (0, False)
+    a.sched.after_alloc(r2, ([0, 1, 2],), 0)
     assert a.sched.counters.unsupported_requests == 1
+    assert a.sched.counters.requests == 1
+
+
+def test_waiting_request_is_hashed_looked_up_and_counted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asks again at every step while a request waits (a hybrid's prefill chunk must
+    end at a block boundary, so none is admitted while another decodes): the prompt is
+    hashed and L3 asked once; the request counts once, when admitted, with the L2 pages
+    saved meanwhile as its hit."""
+    tokens = list(range(1, 1 + 3 * BLOCK + 2))
+    a = _Engine(tmp_path, host_pages=8)
+    hashed, asked = [], []
+    page_hashes, exists_each = KeyPlan.page_hashes, a.sched.storage.exists_each
+    monkeypatch.setattr(KeyPlan, "page_hashes", lambda *x: hashed.append(1) or page_hashes(*x))
+    monkeypatch.setattr(
+        a.sched.storage, "exists_each", lambda keys: asked.append(1) or exists_each(keys)
+    )
+    waiting = _request("w", tokens)
+    assert a.sched.num_new_matched_tokens(waiting, 0) == (0, False)
+    lookups = len(asked)
+    for _ in range(3):
+        assert a.sched.num_new_matched_tokens(waiting, 0) == (0, False)
+    assert len(hashed) == 1 and len(asked) == lookups > 0
+    assert a.sched.counters.requests == 0
+    _fill(a, [0, 1, 2], seed=3)
+    _finish(a, _request("r1", tokens), [0, 1, 2, 3])  # another request saves the pages
+    assert a.hit(waiting) == 3 * BLOCK
+    assert a.sched.counters.requests == 1
+    assert a.sched.counters.prompt_tokens == len(tokens)
+    assert a.sched.counters.l2_hit_tokens == 3 * BLOCK
 
 
 def test_config_errors_name_the_value() -> None:

@@ -224,6 +224,4 @@ class MeshHiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
             self._worker = None
         if self._scheduler is not None:
-            self._scheduler.write_stats()
-            if self._scheduler.storage is not None:
-                self._scheduler.storage.close()
+            self._scheduler.close()

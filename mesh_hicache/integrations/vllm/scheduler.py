@@ -8,22 +8,20 @@ with a group the connector cannot restore gets no hit at all.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from mesh_hicache.integrations.vllm.config import ConnectorConfig
 from mesh_hicache.integrations.vllm.directory import HostDirectory, HostEntry
 from mesh_hicache.integrations.vllm.layout import KeyPlan
 from mesh_hicache.integrations.vllm.orders import PageOrder, StepOrders, WorkerReport
-from mesh_hicache.integrations.vllm.stats import SchedulerCounters, as_dict, write_json
+from mesh_hicache.integrations.vllm.stats import SchedulerCounters, StatsWriter, as_dict
 from mesh_hicache.storage.base import StorageBackend
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _Pending:
-    """One request between its hit decision and its load."""
+    """One request between its first hit question and its admission (vLLM asks again at
+    every step while the request waits: the hashes and the L3 lookup are done once)."""
 
     tenant: str
     hashes: list[bytes]
@@ -32,7 +30,7 @@ class _Pending:
     entries: list[HostEntry] = field(default_factory=list)
     prefetching: set[int] = field(default_factory=set)
     l3_checked: bool = False
-    counted: bool = False
+    unsupported: bool = False
 
 
 class ConnectorScheduler:
@@ -56,6 +54,7 @@ class ConnectorScheduler:
         capacity = config.host_bytes // page_bytes if page_bytes else 0
         self.directory = HostDirectory(capacity)
         self.counters = SchedulerCounters()
+        self._stats = StatsWriter(config.stats_file, lambda: {"scheduler": as_dict(self.counters)})
         self._pending: dict[str, _Pending] = {}
         self._orders = StepOrders()
         self._reports: dict[int, list[bool]] = {}
@@ -71,12 +70,18 @@ class ConnectorScheduler:
 
     def num_new_matched_tokens(self, request: object, num_computed: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: tokens beyond ``num_computed`` from L2
-        (after an L3 prefetch into L2 where L3 holds more); None while a prefetch runs."""
+        (after an L3 prefetch into L2 where L3 holds more); None while a prefetch runs.
+
+        vLLM asks again at every step while the request waits (for blocks, or for a
+        token budget: a hybrid's prefill chunk must end at a block boundary); the request
+        is counted once, when vLLM admits it (``after_alloc``)."""
         req_id: str = request.request_id  # type: ignore[attr-defined]
         pending = self._pending.get(req_id)
         if pending is None:
             if not self.plan.supported:
-                self._count_request(request, num_computed, unsupported=True)
+                pending = _Pending(self.tenant_of(request), [], unsupported=True)
+                pending.local_tokens = num_computed
+                self._pending[req_id] = pending
                 return 0, False
             self._live[req_id] = request
             tokens = list(request.all_token_ids)  # type: ignore[attr-defined]
@@ -86,6 +91,9 @@ class ConnectorScheduler:
             pending = _Pending(tenant, self.plan.page_hashes(tokens[:usable], tenant))
             pending.local_tokens = num_computed
             self._pending[req_id] = pending
+        if pending.unsupported:
+            pending.local_tokens = num_computed
+            return 0, False
         if pending.prefetching:
             return None, False
         hashes = pending.hashes
@@ -100,13 +108,12 @@ class ConnectorScheduler:
             pending.l3_checked = True
             if self._start_prefetch(req_id, pending, in_l2, num_computed):
                 return None, False
-        hit_pages = in_l2
-        if hit_pages * page <= num_computed:
-            self._finish_pending(req_id, request, num_computed, 0)
-            return 0, False
-        pending.hit_pages = hit_pages
         pending.local_tokens = num_computed
-        return hit_pages * page - num_computed, False
+        if in_l2 * page <= num_computed:
+            pending.hit_pages = 0
+            return 0, False
+        pending.hit_pages = in_l2
+        return in_l2 * page - num_computed, False
 
     def _l2_avail(self, hashes: list[bytes]) -> list[set[int]]:
         """Per page, the groups L2 holds ready (an entry being filled holds none)."""
@@ -251,14 +258,11 @@ class ConnectorScheduler:
         for entry in pending.entries:
             if entry.pins:
                 self.directory.unpin(entry)
-        self._count_request(request, local, unsupported=False)
-
-    def _count_request(self, request: object, local: int, *, unsupported: bool) -> None:
         c = self.counters
         c.requests += 1
         c.prompt_tokens += int(getattr(request, "num_prompt_tokens", 0))
         c.device_hit_tokens += local
-        c.unsupported_requests += int(unsupported)
+        c.unsupported_requests += int(pending.unsupported)
         self.write_stats()
 
     # -- saves ----------------------------------------------------------------------------
@@ -354,8 +358,11 @@ class ConnectorScheduler:
         return orders
 
     def write_stats(self) -> None:
-        if self.config.stats_file:
-            try:
-                write_json(self.config.stats_file, {"scheduler": as_dict(self.counters)})
-            except OSError as err:  # statistics never stop serving
-                logger.warning("cannot write connector stats: %s", err)
+        """Ask for the stats file to be rewritten (soon, off this thread)."""
+        self._stats.request()
+
+    def close(self) -> None:
+        """Write the stats file a last time (synchronously) and close the store."""
+        self._stats.close()
+        if self.storage is not None:
+            self.storage.close()

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,3 +62,48 @@ def write_json(path: str | None, payload: dict) -> None:
 
 def as_dict(counters: SchedulerCounters | WorkerCounters) -> dict:
     return asdict(counters)
+
+
+class StatsWriter:
+    """Writes ``payload()`` to ``path`` off the caller's thread, coalesced: ``request`` is
+    cheap (called on vLLM's step path as often as counters change); the file is
+    rewritten at most once per ``delay_s`` after a request, with the counters of that
+    moment. Replacing the file costs milliseconds, which per scheduler call or per step
+    would be a share of a small model's step. ``close`` writes once more, synchronously.
+    Without a path every call is a no-op."""
+
+    def __init__(self, path: str | None, payload: Callable[[], dict], delay_s: float = 0.2) -> None:
+        self.path = path
+        self._payload = payload
+        self._delay_s = delay_s
+        self._queued = False
+        self._lock = threading.Lock()
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="mhc-stats") if path else None
+        )
+
+    def request(self) -> None:
+        if self._pool is None:
+            return
+        with self._lock:
+            if self._queued:
+                return
+            self._queued = True
+        self._pool.submit(self._write, self._delay_s)
+
+    def _write(self, delay_s: float) -> None:
+        if delay_s:
+            time.sleep(delay_s)
+        with self._lock:
+            self._queued = False
+        try:
+            write_json(self.path, self._payload())
+        except OSError as err:  # statistics never stop serving
+            logger.warning("cannot write connector stats: %s", err)
+
+    def close(self) -> None:
+        if self._pool is None:
+            return
+        self._pool.shutdown(wait=True)
+        self._pool = None
+        self._write(0.0)

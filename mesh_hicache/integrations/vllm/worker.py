@@ -20,7 +20,7 @@ import torch
 
 from mesh_hicache.integrations.vllm.layout import KeyPlan
 from mesh_hicache.integrations.vllm.orders import PageOrder, StepOrders, WorkerReport
-from mesh_hicache.integrations.vllm.stats import WorkerCounters, as_dict, write_json
+from mesh_hicache.integrations.vllm.stats import StatsWriter, WorkerCounters, as_dict
 from mesh_hicache.storage.base import StorageBackend
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class ConnectorWorker:
         self.tp_coord = tp_coord
         self.tp_size = tp_size
         self.stats_file = stats_file
+        self._stats = StatsWriter(
+            f"{stats_file}.worker{tp_coord}" if stats_file else None, self._stats_payload
+        )
         self.groups: list[list[LayerCache]] = []
         self.host: dict[int, list[torch.Tensor | None]] = {}
         """L2: entry id -> one host copy per group (None: that group's object not held)."""
@@ -208,6 +211,7 @@ class ConnectorWorker:
         with self._lock:
             self.counters.l3_put_objects += sum(ok)
             self.counters.l3_put_failed += len(ok) - sum(ok)
+        self.write_stats()
 
     def _prefetch(self, order: PageOrder) -> None:
         assert self.storage is not None
@@ -228,18 +232,18 @@ class ConnectorWorker:
             self._dropped.discard(order.entry_id)
             self._inflight.discard(order.entry_id)
             self._report.prefetched.setdefault(order.entry_id, []).append(good)
+        self.write_stats()
+
+    def _stats_payload(self) -> dict:
+        with self._lock:
+            return {"worker": as_dict(self.counters)}
 
     def write_stats(self) -> None:
-        if self.stats_file:
-            try:
-                with self._lock:
-                    payload = {"worker": as_dict(self.counters)}
-                write_json(f"{self.stats_file}.worker{self.tp_coord}", payload)
-            except OSError as err:
-                logger.warning("cannot write connector stats: %s", err)
+        """Ask for the stats file to be rewritten (soon, off the step's thread)."""
+        self._stats.request()
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
-        self.write_stats()
+        self._stats.close()
         if self.storage is not None:
             self.storage.close()
