@@ -1,5 +1,5 @@
 """Aggregation and reporting of ``bench_serving.py --mode load`` (``bench_load``): the
-per-(rate, mode) rows, the ratios against cache-off and the sequential run, the done-when
+per-(rate, mode) rows, the ratios against cache-off and the sequential run, the target
 checks, and the tables and plot. No torch, no collectives."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ LOAD_MODES = ("off", "device", "host", "storage")
 LABELS = {"off": "off", "device": "L1", "host": "L1+L2", "storage": "L1+L2+L3"}
 
 TARGET_RATIO = 2.0
-"""Done-when: L1+L2 throughput at the saturating rate is at least this multiple of off's."""
+"""Target: L1+L2 throughput at the saturating rate is at least this multiple of off's."""
 
 
 METRICS = (
@@ -94,7 +94,7 @@ def add_sequential_ratios(
 
 
 def acceptance(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The done-when checks at the saturating (highest) rate: every cached mode's
+    """The target checks at the saturating (highest) rate: every cached mode's
     throughput above off's, and L1+L2 at least ``TARGET_RATIO`` x off's."""
     if not rows:
         return {}
