@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import NoReturn
@@ -76,6 +77,24 @@ def speaks(err: BaseException) -> bool:
     if isinstance(err, LaunchError) and err.everywhere:
         return launch_rank() == 0
     return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+QUIET_RANK_WAIT_S = 20.0
+"""How long a rank that leaves a launch error to another rank waits before exiting."""
+
+
+def report_launch_error(prog: str, err: BaseException) -> int:
+    """Print ``err`` as ``prog: error: ...`` on the rank that speaks for it (``speaks``)
+    and return exit code 2. Under torchrun a quiet rank first waits up to
+    ``QUIET_RANK_WAIT_S``: torchrun stops every rank once one exits, so a quiet rank
+    leaving first could stop the speaking one before it printed (the launch would then
+    fail with no message at all)."""
+    if speaks(err):
+        print(f"{prog}: error: {err}", file=sys.stderr)
+    elif launch_world_size() > 1:
+        sys.stderr.flush()
+        time.sleep(QUIET_RANK_WAIT_S)
+    return 2
 
 
 def quiet_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ from runtime.launch import (
     init_mesh,
     mesh_failure,
     quiet_parser,
-    speaks,
+    report_launch_error,
 )
 from runtime.mesh_config import work_config
 from runtime.model import HybridModel
@@ -390,9 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.pp, args.cp, args.tp, args.collective_timeout_s, work_config(args)
         )
     except (LaunchError, ValueError) as err:
-        if speaks(err):
-            print(f"runtime.serve: error: {err}", file=sys.stderr)
-        return 2
+        return report_launch_error("runtime.serve", err)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     label_rank_logs(topology)

@@ -69,7 +69,7 @@ from runtime.launch import (
     launch_rank,
     mesh_failure,
     quiet_parser,
-    speaks,
+    report_launch_error,
 )
 from runtime.mesh_config import work_config
 from runtime.sampling import TokenLogprobs
@@ -529,9 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.pp, args.cp, args.tp, args.collective_timeout_s, work_config(args)
         )
     except (LaunchError, ValueError, PortBusy) as err:
-        if speaks(err):
-            print(f"runtime.server: error: {err}", file=sys.stderr)
-        return 2
+        return report_launch_error("runtime.server", err)
     label_rank_logs(topology)
     try:
         server = Server(args, topology)
