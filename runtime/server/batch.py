@@ -234,7 +234,7 @@ class BatchWorker(threading.Thread):
                 aborted = [key for key, job in self.jobs.items() if job.cancelled.is_set()]
                 new = self._take(aborted)
                 if self._stopping and not new and not aborted and self.batch.idle:
-                    self.control.agree(_STOP)
+                    self.control.last(lambda: self.control.agree(_STOP))
                     return
                 if new or aborted:
                     self.control.agree(_NEWS)

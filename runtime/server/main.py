@@ -173,10 +173,6 @@ class Server:
     def follow(self) -> None:
         """Ranks other than 0: serve rank 0's requests until it stops."""
         assert self.group is not None
-        # A signal ends the job through rank 0, whose stop message ends this loop
-        # (torchrun forwards SIGTERM to every rank).
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
         if self.batching is not None:
             follow_batched(self.engine, self.group, self.batching, self.stopper)
         else:
@@ -531,6 +527,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (LaunchError, ValueError, PortBusy) as err:
         return report_launch_error("runtime.server", err)
     label_rank_logs(topology)
+    if topology.coords != (0, 0, 0):
+        # A signal ends the job through rank 0, whose stop message ends the other ranks'
+        # loops (a terminal's Ctrl-C and torchrun's SIGTERM reach every rank). Ignored
+        # from here, not only once serving: rank 0 may already be serving, and take a
+        # Ctrl-C, while another rank is still finishing its start.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     try:
         server = Server(args, topology)
         if server.leader:
@@ -546,6 +549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"runtime.server: error: rank {topology.coords}: {cause}", file=sys.stderr)
         exit_process(3)
+    except KeyboardInterrupt:  # Ctrl-C on rank 0 before it serves (the others ignore it)
+        print("runtime.server: interrupted while starting", file=sys.stderr)
+        exit_process(130)
     if owns_group:
         dist.destroy_process_group()
     return code

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.engine import Engine
+from runtime.launch import mesh_failure
 from runtime.request_run import RequestResult, TokenHook
 from runtime.sampling import Sampler, SamplingParams, TokenLogprobs
 from runtime.serve.checks import pages_needed, too_long_for_l1
@@ -172,6 +173,18 @@ class _Control:
         assert box[0] is not None
         return box[0]
 
+    def last(self, say: Callable[[], object]) -> None:
+        """Rank 0's stop message (``say``). The other ranks may have left already (a
+        signal that reached them first); a stop that was asked for is not a failure
+        then, so a lost peer gets one line, not the engine thread's traceback."""
+        try:
+            say()
+        except Exception as err:
+            cause = mesh_failure(err)
+            if cause is None:
+                raise
+            log.warning("runtime.server: the stop message did not reach every rank: %s", cause)
+
     def agree(self, decision: int) -> int:
         """Rank 0's per-token decision, the same on every rank (``decision`` of the
         other ranks is ignored)."""
@@ -253,7 +266,7 @@ class EngineWorker(threading.Thread):
             while True:
                 job = self.queue.get(self.heartbeat_s)
                 if job is None:
-                    self.control.send((_STOP,))
+                    self.control.last(lambda: self.control.send((_STOP,)))
                     return
                 if isinstance(job, str):
                     if self.control.group is not None:
