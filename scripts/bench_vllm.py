@@ -47,7 +47,11 @@ from bench_server_client import ROOT, Conversation, RequestRecord, run_clients
 
 from runtime.workloads.generate import make_workload
 
-MODES = ("vllm", "vllm-mooncake", "mesh-l2", "mesh-l2l3", "mesh-restart", "runtime")
+MODES = (
+    "vllm", "vllm-mooncake", "mesh-l2", "mesh-l2-sync", "mesh-l2l3", "mesh-restart", "runtime"
+)  # fmt: skip
+"""``mesh-l2-sync``: ``mesh-l2`` with every layer's loads copied before the forward
+(``layerwise_load: false``), the baseline of layer-wise loading."""
 BASE = "vllm"
 CONNECTOR_MODULE = "mesh_hicache.integrations.vllm"
 RATIO_METRICS = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "hit_rate")
@@ -164,7 +168,9 @@ class Bench:
         log = self.logs / f"vllm-{self.starts}.log"
         return servers.VllmServer(a.vllm_python, argv, env, self.cpus, log)
 
-    def _mesh_config(self, storage_root: Path, policy: str, stats: Path) -> dict[str, Any]:
+    def _mesh_config(
+        self, storage_root: Path, policy: str, stats: Path, layerwise: bool = True
+    ) -> dict[str, Any]:
         """The connector with an L2 of ``--host-bytes`` over a file L3 at ``storage_root``
         (the connector always has one). ``write_back`` writes L3 only when L2 evicts: with an
         L2 that holds the workload, the L2-only mode."""
@@ -173,6 +179,7 @@ class Bench:
             "storage_root": str(storage_root),
             "write_policy": policy,
             "stats_file": str(stats),
+            "layerwise_load": layerwise,
         }
         return {
             "kv_connector": "MeshHiCacheConnector",
@@ -242,9 +249,10 @@ class Bench:
                 env = {"MOONCAKE_CONFIG_PATH": str(config)}
                 return self._serve(rep, mode, kv, env, body=body)
             l3, stats = run_dir / "l3", run_dir / "stats.json"
-            if mode in ("mesh-l2", "mesh-l2l3"):
-                policy = "write_back" if mode == "mesh-l2" else "write_through"
-                return self._serve(rep, mode, self._mesh_config(l3, policy, stats), {}, stats)
+            if mode in ("mesh-l2", "mesh-l2-sync", "mesh-l2l3"):
+                policy = "write_through" if mode == "mesh-l2l3" else "write_back"
+                kv = self._mesh_config(l3, policy, stats, layerwise=mode != "mesh-l2-sync")
+                return self._serve(rep, mode, kv, {}, stats)
             if mode == "mesh-restart":
                 # A first engine fills L3 with the whole workload, then a new one is measured.
                 first = run_dir / "stats-writer.json"

@@ -4,6 +4,7 @@ pair (another engine), tenants, a corrupt object, the hybrid rule and the model 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from mesh_hicache.integrations.vllm.config import ConnectorConfig
 from mesh_hicache.integrations.vllm.identity import connector_model_id
 from mesh_hicache.integrations.vllm.layout import GroupLayout, KeyPlan
 from mesh_hicache.integrations.vllm.scheduler import ConnectorScheduler
-from mesh_hicache.integrations.vllm.worker import ConnectorWorker
+from mesh_hicache.integrations.vllm.worker import ConnectorWorker, LayerLoads
 from mesh_hicache.storage.factory import open_storage
 
 BLOCK = 4
@@ -22,12 +23,12 @@ NUM_BLOCKS = 12
 LAYERS = ("l0", "l1")
 
 
-def _plan(kind: str = "FullAttentionSpec") -> KeyPlan:
+def _plan(kind: str = "FullAttentionSpec", layers: tuple[str, ...] = LAYERS) -> KeyPlan:
     group = GroupLayout(
         group_id=0,
         spec_kind=kind,
         block_size=BLOCK,
-        layer_names=LAYERS,
+        layer_names=layers,
         layer_range=(0, 2),
         total_kv_heads=2,
         local_kv_heads=2,
@@ -41,12 +42,21 @@ class _Engine:
     """One engine's connector halves over fake paged KV ``[blocks, 2, BLOCK, heads, dim]``."""
 
     def __init__(
-        self, root: Path, host_pages: int, plan: KeyPlan | None = None, secret: bytes | None = None
+        self,
+        root: Path,
+        host_pages: int,
+        plan: KeyPlan | None = None,
+        secret: bytes | None = None,
+        layerwise: bool = True,
     ) -> None:
         plan = plan or _plan()
         page_bytes = 2 * 2 * BLOCK * 2 * 8 * 4
         config = ConnectorConfig.from_extra(
-            {"storage_root": str(root), "host_bytes": host_pages * page_bytes}
+            {
+                "storage_root": str(root),
+                "host_bytes": host_pages * page_bytes,
+                "layerwise_load": layerwise,
+            }
         )
         self.sched = ConnectorScheduler(
             config,
@@ -62,12 +72,18 @@ class _Engine:
             tp_coord=0,
             tp_size=1,
             stats_file=None,
+            layerwise_load=config.layerwise_load,
         )
         self.kv = {n: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 8) for n in LAYERS}
         self.worker.register(self.kv, NUM_BLOCKS)
 
     def step(self) -> None:
+        """One vLLM step: orders before the forward, each attention layer waiting for
+        its loads, then the end of the forward."""
         self.worker.apply(self.sched.take_orders())
+        for n in LAYERS:
+            self.worker.wait_for_layer_load(n)
+        self.worker.after_forward()
         self.worker._io.submit(lambda: None).result()  # let the I/O thread drain
         report = self.worker.take_report()
         if report is not None:
@@ -111,9 +127,10 @@ def _finish(engine: _Engine, req: SimpleNamespace, blocks: list[int]) -> None:
     assert req.request_id in engine.worker.take_finished_saves()
 
 
-def test_save_then_l2_then_l3_in_another_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "before-forward"])
+def test_save_then_l2_then_l3_in_another_engine(tmp_path: Path, layerwise: bool) -> None:
     tokens = list(range(1, 1 + 3 * BLOCK + 2))  # 3 whole pages + 2 tokens
-    a = _Engine(tmp_path, host_pages=8)
+    a = _Engine(tmp_path, host_pages=8, layerwise=layerwise)
     _fill(a, [0, 1, 2], seed=1)
     _finish(a, _request("r1", tokens), [0, 1, 2, 3])
     a.worker._io.submit(lambda: None).result()
@@ -126,7 +143,7 @@ def test_save_then_l2_then_l3_in_another_engine(tmp_path: Path) -> None:
     for n in LAYERS:
         assert torch.equal(a.kv[n][:3], expect[n])
     # Another engine (fresh L2) on the same store: L3 prefetch, then load, same bytes.
-    b = _Engine(tmp_path, host_pages=8)
+    b = _Engine(tmp_path, host_pages=8, layerwise=layerwise)
     assert b.hit(_request("r3", tokens + [99])) == 3 * BLOCK
     assert b.sched.counters.l3_hit_tokens == 3 * BLOCK
     for n in LAYERS:
@@ -137,6 +154,52 @@ def test_save_then_l2_then_l3_in_another_engine(tmp_path: Path) -> None:
     # Another tenant shares nothing (not in L2, not in L3).
     assert a.hit(_request("r5", tokens, salt="alice")) == 0
     assert c.hit(_request("r6", tokens, salt="alice")) == 0
+
+
+def test_a_layer_waits_only_for_its_own_loads() -> None:
+    """The forward may run layer 0 while layer 1's pages are still being copied; a
+    failed copy is raised to the layer that waits, and to every later wait."""
+    copied: list[str] = []
+    release = threading.Event()
+
+    def slow() -> None:
+        assert release.wait(30)
+        copied.append("l1")
+
+    loads = LayerLoads([("l0", lambda: copied.append("l0")), ("l1", slow)])
+    worker = threading.Thread(target=loads.run)
+    worker.start()
+    loads.wait("l0")
+    loads.wait("not-a-kv-layer")  # a layer with nothing to load never waits
+    assert copied == ["l0"]
+    release.set()
+    loads.wait("l1")
+    loads.wait_all()
+    worker.join()
+    assert copied == ["l0", "l1"]
+
+    def broken() -> None:
+        raise OSError("copy failed")
+
+    failing = LayerLoads([("l0", broken), ("l1", lambda: None)])
+    failing.run()
+    with pytest.raises(RuntimeError, match="loading KV pages"):
+        failing.wait("l1")
+    with pytest.raises(RuntimeError, match="loading KV pages"):
+        failing.wait_all()
+
+
+def test_layers_load_in_model_order(tmp_path: Path) -> None:
+    """Layer-wise loads follow the model's layer numbers (layer 10 after layer 2),
+    whatever order vLLM lists the group's layers in."""
+    names = ("model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn")
+    worker = ConnectorWorker(_plan(layers=names), None, tp_coord=0, tp_size=1, stats_file=None)
+    worker.register({n: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 8) for n in names}, NUM_BLOCKS)
+    assert [layer for layer, _ in worker._kv_layers] == list(reversed(names))
+    # Each layer's part of the group's page starts where the previous listed one ends.
+    offsets = {layer: parts[0][2] for layer, parts in worker._kv_layers}
+    assert offsets == {names[0]: 0, names[1]: worker.groups[0][0].row_bytes}
+    worker.close()
 
 
 def test_corrupt_object_is_a_miss(tmp_path: Path) -> None:

@@ -17,6 +17,9 @@ Keys (all optional but one of ``storage_root`` / ``storage``):
   connector to read it (shorter hits are recomputed).
 - ``stats_file``: a JSON file the connector rewrites with its counters (tokens per tier).
 - ``layout_version``: bump to invalidate everything stored (default 1).
+- ``layerwise_load``: copy loaded KV pages into vLLM's blocks layer by layer on a
+  background thread while the forward runs, each attention layer waiting only for its
+  own (default true); false copies every layer before the forward starts.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ KNOWN_KEYS = frozenset(
         "prefetch_threshold",
         "stats_file",
         "layout_version",
+        "layerwise_load",
     }
 )
 
@@ -65,6 +69,8 @@ class ConnectorConfig:
     """Where the counters are written as JSON, or None."""
     layout_version: int = 1
     """Enters every key's namespace."""
+    layerwise_load: bool = True
+    """KV loads overlap the forward, layer by layer."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -113,6 +119,9 @@ class ConnectorConfig:
         stats_file = extra.get("stats_file")
         if stats_file is not None and not isinstance(stats_file, str):
             raise ValueError(f"stats_file must be a path, got {stats_file!r}")
+        layerwise = extra.get("layerwise_load", True)
+        if not isinstance(layerwise, bool):
+            raise ValueError(f"layerwise_load must be true or false, got {layerwise!r}")
         return cls(
             storage=storage,
             storage_options=options,
@@ -123,4 +132,5 @@ class ConnectorConfig:
             prefetch_threshold=threshold,
             stats_file=stats_file,
             layout_version=version,
+            layerwise_load=layerwise,
         )

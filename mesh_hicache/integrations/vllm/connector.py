@@ -186,9 +186,15 @@ class MeshHiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             tp_coord=topo.coord(MeshAxis.TP),
             tp_size=topo.size(MeshAxis.TP),
             stats_file=self.config.stats_file,
+            layerwise_load=self.config.layerwise_load,
         )
         if self.plan.supported:
             self._worker.register(kv_caches, self._num_blocks)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise loads run Python between layers, which a whole-model CUDA graph skips.
+        return bool((extra_config or {}).get("layerwise_load", True))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
@@ -198,7 +204,8 @@ class MeshHiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.apply(meta.orders)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete when start_load_kv returns (host -> paged copies)
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
         return  # pages are saved when their request finishes (see request_finished_all_groups)

@@ -6,12 +6,19 @@ pages with plain torch indexing along the block dim, writes and
 reads L3 objects under keys that carry its global slice (from the mesh), and reports
 which prefetches arrived. An object that is missing or does not verify is reported as a
 failed prefetch: the scheduler drops the page and vLLM recomputes those tokens.
+
+Loads of KV pages run layer by layer on a loader thread, in the model's layer order,
+while the forward runs: vLLM calls ``wait_for_layer_load`` before each attention layer,
+which waits for that layer only. Recurrent states (one block per request, read by layers
+vLLM does not stop at) are copied before the forward.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +35,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LayerCache:
-    """One layer's paged tensor and the dim that indexes vLLM blocks."""
+    """One paged tensor of a layer and the dim that indexes vLLM blocks."""
 
     name: str
     tensor: torch.Tensor
     block_dim: int
+    layer: str = ""
+    """vLLM's name of the layer (``name`` adds ``[j]`` for a layer with several tensors)."""
 
     @property
     def row_bytes(self) -> int:
@@ -51,6 +60,51 @@ def find_block_dim(tensor: torch.Tensor, num_blocks: int, name: str) -> int:
     raise ValueError(f"KV cache of {name} {tuple(tensor.shape)} has no dim of {num_blocks} blocks")
 
 
+def layer_index(name: str) -> int:
+    """The model layer number in a vLLM layer name (``model.layers.3.self_attn.attn``);
+    -1 when it has none."""
+    found = re.search(r"\.(\d+)\.", f".{name}.")
+    return int(found.group(1)) if found else -1
+
+
+class LayerLoads:
+    """One step's KV loads as copies per layer, run in order by ``run`` (on the loader
+    thread); ``wait(layer)`` returns once that layer's blocks hold their pages."""
+
+    def __init__(self, copies: list[tuple[str, Callable[[], None]]]) -> None:
+        self._copies = copies
+        self._done = {layer: threading.Event() for layer, _ in copies}
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for layer, copy in self._copies:
+                copy()
+                self._done[layer].set()
+        except BaseException as err:  # raised to the forward by wait()
+            self._error = err
+            for event in self._done.values():
+                event.set()
+        finally:
+            self._finished.set()
+
+    def wait(self, layer: str) -> None:
+        """Until ``layer``'s copies are done (at once for a layer with no loads)."""
+        event = self._done.get(layer)
+        if event is not None:
+            event.wait()
+        self._raise()
+
+    def wait_all(self) -> None:
+        self._finished.wait()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("loading KV pages into vLLM's blocks failed") from self._error
+
+
 class ConnectorWorker:
     """Worker-side state of one tensor-parallel rank."""
 
@@ -62,8 +116,10 @@ class ConnectorWorker:
         tp_coord: int,
         tp_size: int,
         stats_file: str | None,
+        layerwise_load: bool = True,
     ) -> None:
         self.plan = plan
+        self.layerwise_load = layerwise_load
         self.storage = storage
         self.tp_coord = tp_coord
         self.tp_size = tp_size
@@ -86,6 +142,11 @@ class ConnectorWorker:
         """Entries dropped while their prefetch may still run (never stored afterwards)."""
         self._after_forward: StepOrders | None = None
         self._step_drops: set[int] = set()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mhc-load")
+        self._loads: LayerLoads | None = None
+        self._kv_layers: list[tuple[str, list[tuple[int, LayerCache, int]]]] = []
+        """KV layers in model order: (vLLM layer name, its (group, tensor, offset in
+        the group's page) parts)."""
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         """Take vLLM's per-layer cache tensors (a tensor, or a list of them for a layer
@@ -98,8 +159,17 @@ class ConnectorWorker:
                 parts = list(value) if isinstance(value, list | tuple) else [value]
                 for j, t in enumerate(parts):
                     label = name if len(parts) == 1 else f"{name}[{j}]"
-                    layers.append(LayerCache(label, t, find_block_dim(t, num_blocks, label)))
+                    dim = find_block_dim(t, num_blocks, label)
+                    layers.append(LayerCache(label, t, dim, name))
             self.groups.append(layers)
+        by_layer: dict[str, list[tuple[int, LayerCache, int]]] = {}
+        for g in sorted(self.plan.kv_groups):
+            offset = 0
+            for lc in self.groups[g]:
+                by_layer.setdefault(lc.layer, []).append((g, lc, offset))
+                offset += lc.row_bytes
+        order = sorted(by_layer, key=layer_index)  # stable: vLLM's order within a number
+        self._kv_layers = [(layer, by_layer[layer]) for layer in order]
 
     # -- one step -------------------------------------------------------------------------
 
@@ -107,18 +177,25 @@ class ConnectorWorker:
         """Before the forward: saves, then loads, then drops (in that order: a load may
         read a page saved in the same step; a drop never precedes a load of the same
         step). State saves wait for ``after_forward``."""
+        self.wait_for_loads()  # the previous step's, if its forward did not wait
         for order in orders.saves:
             self._save(order, orders)
         self._finished_saves.update(orders.save_request_ids)
+        kv_pages: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for order in orders.loads:
             held = self.host.get(order.entry_id)
             assert held is not None, f"L2 entry {order.entry_id} is not held by this worker"
             for g in order.groups:
                 page = held[g]
                 assert page is not None, f"L2 entry {order.entry_id} lacks group {g}"
-                self._scatter(self.groups[g], order.block_ids[g], page)
+                if g in self.plan.kv_groups:
+                    kv_pages.setdefault(g, []).append((order.block_ids[g], page))
+                else:
+                    self._scatter(self.groups[g], order.block_ids[g], page)
             if not set(order.groups).isdisjoint(self.plan.kv_groups):
                 self.counters.loaded_pages += 1
+        if kv_pages:
+            self._load_kv(kv_pages)
         self._step_drops = set(orders.drops)
         for entry_id in orders.drops:
             with self._lock:
@@ -139,9 +216,41 @@ class ConnectorWorker:
         if not orders.empty():
             self.write_stats()
 
+    def _load_kv(self, pages: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
+        """Copy KV ``pages`` (group -> (block id, host page)) into vLLM's blocks: layer
+        by layer on the loader thread, or all of them now."""
+
+        def copy_layer(parts: list[tuple[int, LayerCache, int]]) -> None:
+            for g, lc, offset in parts:
+                n = lc.row_bytes
+                for block_id, page in pages.get(g, ()):
+                    row = lc.block(block_id)
+                    row.copy_(page[offset : offset + n].view(row.dtype).view(row.shape))
+
+        copies = [(layer, lambda p=parts: copy_layer(p)) for layer, parts in self._kv_layers]
+        loads = LayerLoads(copies)
+        if not self.layerwise_load:
+            loads.run()
+            loads.wait_all()
+            return
+        self._loads = loads
+        self._loader.submit(loads.run)
+
+    def wait_for_layer_load(self, layer: str) -> None:
+        """Before ``layer``'s attention runs: until its loaded pages are in place."""
+        if self._loads is not None:
+            self._loads.wait(layer)
+
+    def wait_for_loads(self) -> None:
+        """Until every layer of the last loads is in place."""
+        loads, self._loads = self._loads, None
+        if loads is not None:
+            loads.wait_all()
+
     def after_forward(self) -> None:
-        """After the forward (vLLM's ``wait_for_save``): copy the boundary states this
-        step's forward wrote."""
+        """After the forward (vLLM's ``wait_for_save``): wait for any load still
+        running, then copy the boundary states this step's forward wrote."""
+        self.wait_for_loads()
         orders, self._after_forward = self._after_forward, None
         if orders is None:
             return
@@ -243,6 +352,7 @@ class ConnectorWorker:
         self._stats.request()
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self._stats.close()
         if self.storage is not None:
