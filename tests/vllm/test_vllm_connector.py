@@ -10,6 +10,7 @@ attention reduce in another order).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,37 @@ def _build_gemma3(path: Path) -> Path:
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def _build_gpt_oss(path: Path) -> Path:
+    # gpt-oss-like: a sliding-window layer (window 64 = two 32-token blocks; vLLM slides
+    # the even layers) and a full-attention layer, both with attention sinks, and a
+    # top-2-of-4 MoE. Sinks near 4 take a visible share of the attention (without them
+    # the logprobs here move by about 0.1; by 0.006 with sinks near 0).
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.1)
+            elif name.endswith("sinks"):
+                p.normal_(4.0, 1.0)
     model.save_pretrained(path)
     return path
 
@@ -308,12 +340,16 @@ def test_mamba2_hybrid_restores_kv_and_state(vllm_python: str, tmp_path: Path) -
 
 
 @pytest.mark.timeout(3600)  # two engine starts
-def test_sliding_window_model_restores_window_pages(vllm_python: str, tmp_path: Path) -> None:
-    """Gemma-3-like (sliding-window + full-attention groups): the connector saves every
-    full-attention page and the sliding-window pages vLLM still holds when the request
-    ends (the window before its end), and a hit restores both: from L2 once vLLM's own
-    cache is emptied, from L3 in a new process; outputs equal transformers'."""
-    model = _build_gemma3(tmp_path / "gemma3")
+@pytest.mark.parametrize("build", [_build_gemma3, _build_gpt_oss], ids=["gemma3", "gpt_oss"])
+def test_sliding_window_model_restores_window_pages(
+    vllm_python: str, tmp_path: Path, build: Callable[[Path], Path]
+) -> None:
+    """Gemma-3-like and gpt-oss-like (attention sinks, MoE) models, each with a
+    sliding-window and a full-attention group: the connector saves every full-attention
+    page and the sliding-window pages vLLM still holds when the request ends (the window
+    before its end), and a hit restores both: from L2 once vLLM's own cache is emptied,
+    from L3 in a new process; outputs equal transformers'."""
+    model = build(tmp_path / "model")
     rng = random.Random(2)
     shared = _seq(rng, 200)  # 6 whole 32-token pages before the last prompt token
     a, b, c = ([5, 6, 7], [9, 10, 11], [12, 13, 14])
