@@ -30,6 +30,30 @@ def _seq(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
+def _save_random(
+    path: Path,
+    model_class: type,
+    cfg: object,
+    std: float = 0.1,
+    *,
+    every_tensor: bool = False,
+    sinks: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """A model of ``cfg`` with seeded random weights (matrices only, or ``every_tensor``,
+    ~N(0, std); attention ``sinks`` ~N(sinks, 1)), saved in ``dtype`` at ``path``."""
+    torch.manual_seed(0)
+    model = model_class(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if sinks is not None and name.endswith("sinks"):
+                p.normal_(sinks, 1.0)
+            elif every_tensor or p.dim() >= 2:
+                p.normal_(0, std)
+    model.to(dtype).save_pretrained(path)
+    return path
+
+
 def _build_llama(path: Path) -> Path:
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -41,13 +65,7 @@ def _build_llama(path: Path) -> Path:
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    return path
+    return _save_random(path, transformers.LlamaForCausalLM, cfg, 0.2, every_tensor=True)
 
 
 def _build_granite_hybrid(path: Path) -> Path:
@@ -71,14 +89,7 @@ def _build_granite_hybrid(path: Path) -> Path:
         tie_word_embeddings=False,
         max_position_embeddings=2048,
     )
-    torch.manual_seed(0)
-    model = transformers.GraniteMoeHybridForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
+    return _save_random(path, transformers.GraniteMoeHybridForCausalLM, cfg)
 
 
 def _build_gemma3(path: Path) -> Path:
@@ -97,14 +108,7 @@ def _build_gemma3(path: Path) -> Path:
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         max_position_embeddings=2048,
     )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
+    return _save_random(path, transformers.Gemma3ForCausalLM, cfg)
 
 
 def _build_gpt_oss(path: Path) -> Path:
@@ -126,16 +130,7 @@ def _build_gpt_oss(path: Path) -> Path:
         num_experts_per_tok=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-            elif name.endswith("sinks"):
-                p.normal_(4.0, 1.0)
-    model.save_pretrained(path)
-    return path
+    return _save_random(path, transformers.GptOssForCausalLM, cfg, sinks=4.0)
 
 
 def _build_qwen3_next(path: Path) -> Path:
@@ -162,14 +157,7 @@ def _build_qwen3_next(path: Path) -> Path:
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
+    return _save_random(path, transformers.Qwen3NextForCausalLM, cfg, dtype=torch.bfloat16)
 
 
 def _reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
