@@ -23,9 +23,11 @@ NUM_BLOCKS = 12
 LAYERS = ("l0", "l1")
 
 
-def _plan(kind: str = "FullAttentionSpec", layers: tuple[str, ...] = LAYERS) -> KeyPlan:
-    group = GroupLayout(
-        group_id=0,
+def _group(
+    kind: str = "FullAttentionSpec", layers: tuple[str, ...] = LAYERS, gid: int = 0, role: str = ""
+) -> GroupLayout:
+    return GroupLayout(
+        group_id=gid,
         spec_kind=kind,
         block_size=BLOCK,
         layer_names=layers,
@@ -33,9 +35,12 @@ def _plan(kind: str = "FullAttentionSpec", layers: tuple[str, ...] = LAYERS) -> 
         total_kv_heads=2,
         local_kv_heads=2,
         geometry=f"{kind}|bs={BLOCK}",
-        role="kv" if kind == "FullAttentionSpec" else "",
+        role=role or ("kv" if kind == "FullAttentionSpec" else ""),
     )
-    return KeyPlan("weights:test", "float32", 1, (group,))
+
+
+def _plan(kind: str = "FullAttentionSpec", layers: tuple[str, ...] = LAYERS) -> KeyPlan:
+    return KeyPlan("weights:test", "float32", 1, (_group(kind, layers),))
 
 
 class _Engine:
@@ -190,15 +195,20 @@ def test_a_layer_waits_only_for_its_own_loads() -> None:
 
 
 def test_layers_load_in_model_order(tmp_path: Path) -> None:
-    """Layer-wise loads follow the model's layer numbers (layer 10 after layer 2),
-    whatever order vLLM lists the group's layers in."""
-    names = ("model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn")
-    worker = ConnectorWorker(_plan(layers=names), None, tp_coord=0, tp_size=1, stats_file=None)
-    worker.register({n: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 8) for n in names}, NUM_BLOCKS)
-    assert [layer for layer, _ in worker._kv_layers] == list(reversed(names))
-    # Each layer's part of the group's page starts where the previous listed one ends.
-    offsets = {layer: parts[0][2] for layer, parts in worker._kv_layers}
-    assert offsets == {names[0]: 0, names[1]: worker.groups[0][0].row_bytes}
+    """Layer-wise loads follow the model's layer numbers across the full-attention and
+    sliding-window groups (layer 10 after layer 2), whatever order vLLM lists them in."""
+    full = ("model.layers.10.self_attn.attn", "model.layers.2.self_attn.attn")
+    window = ("model.layers.3.self_attn.attn",)
+    groups = (_group(layers=full), _group("SlidingWindowSpec", window, gid=1, role="window"))
+    plan = KeyPlan("weights:test", "float32", 1, groups)
+    worker = ConnectorWorker(plan, None, tp_coord=0, tp_size=1, stats_file=None)
+    kv = {n: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 8) for n in full + window}
+    worker.register(kv, NUM_BLOCKS)
+    assert [layer for layer, _ in worker._kv_layers] == [full[1], window[0], full[0]]
+    # Each layer's part of its group's page starts where the previous listed one ends.
+    parts = {layer: parts[0][::2] for layer, parts in worker._kv_layers}
+    row = worker.groups[0][0].row_bytes
+    assert parts == {full[0]: (0, 0), full[1]: (0, row), window[0]: (1, 0)}
     worker.close()
 
 

@@ -159,6 +159,12 @@ class KeyPlan:
         """Indices of the sliding-window groups."""
         return frozenset(i for i, g in enumerate(self.groups) if g.role == "window")
 
+    @property
+    def attention_groups(self) -> frozenset[int]:
+        """Full-attention and sliding-window groups: their layers are attention layers,
+        which vLLM stops at (``wait_for_layer_load``) before they run."""
+        return self.kv_groups | self.window_groups
+
     def groups_for(self, page: int, k: int) -> tuple[int, ...]:
         """The groups whose object of page ``page`` a hit of ``k`` pages restores."""
         return tuple(i for i, g in enumerate(self.groups) if g.need_from(k) <= page < k)

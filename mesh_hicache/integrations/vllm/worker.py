@@ -9,8 +9,9 @@ failed prefetch: the scheduler drops the page and vLLM recomputes those tokens.
 
 Loads of KV pages run layer by layer on a loader thread, in the model's layer order,
 while the forward runs: vLLM calls ``wait_for_layer_load`` before each attention layer,
-which waits for that layer only. Recurrent states (one block per request, read by layers
-vLLM does not stop at) are copied before the forward.
+which waits for that layer only (full and sliding-window attention). Recurrent states
+(one block per request, read by layers vLLM does not stop at) are copied before the
+forward.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ class ConnectorWorker:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mhc-load")
         self._loads: LayerLoads | None = None
         self._kv_layers: list[tuple[str, list[tuple[int, LayerCache, int]]]] = []
-        """KV layers in model order: (vLLM layer name, its (group, tensor, offset in
-        the group's page) parts)."""
+        """Attention layers (full and sliding window) in model order: (vLLM layer
+        name, its (group, tensor, offset in the group's page) parts)."""
 
     def register(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
         """Take vLLM's per-layer cache tensors (a tensor, or a list of them for a layer
@@ -163,7 +164,7 @@ class ConnectorWorker:
                     layers.append(LayerCache(label, t, dim, name))
             self.groups.append(layers)
         by_layer: dict[str, list[tuple[int, LayerCache, int]]] = {}
-        for g in sorted(self.plan.kv_groups):
+        for g in sorted(self.plan.attention_groups):
             offset = 0
             for lc in self.groups[g]:
                 by_layer.setdefault(lc.layer, []).append((g, lc, offset))
@@ -181,21 +182,22 @@ class ConnectorWorker:
         for order in orders.saves:
             self._save(order, orders)
         self._finished_saves.update(orders.save_request_ids)
-        kv_pages: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        kv_groups, by_layer = self.plan.kv_groups, self.plan.attention_groups
+        layer_pages: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for order in orders.loads:
             held = self.host.get(order.entry_id)
             assert held is not None, f"L2 entry {order.entry_id} is not held by this worker"
             for g in order.groups:
                 page = held[g]
                 assert page is not None, f"L2 entry {order.entry_id} lacks group {g}"
-                if g in self.plan.kv_groups:
-                    kv_pages.setdefault(g, []).append((order.block_ids[g], page))
+                if g in by_layer:
+                    layer_pages.setdefault(g, []).append((order.block_ids[g], page))
                 else:
                     self._scatter(self.groups[g], order.block_ids[g], page)
-            if not set(order.groups).isdisjoint(self.plan.kv_groups):
+            if not kv_groups.isdisjoint(order.groups):
                 self.counters.loaded_pages += 1
-        if kv_pages:
-            self._load_kv(kv_pages)
+        if layer_pages:
+            self._load_by_layer(layer_pages)
         self._step_drops = set(orders.drops)
         for entry_id in orders.drops:
             with self._lock:
@@ -216,7 +218,7 @@ class ConnectorWorker:
         if not orders.empty():
             self.write_stats()
 
-    def _load_kv(self, pages: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
+    def _load_by_layer(self, pages: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
         """Copy KV ``pages`` (group -> (block id, host page)) into vLLM's blocks: layer
         by layer on the loader thread, or all of them now."""
 
