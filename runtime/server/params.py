@@ -227,6 +227,27 @@ def _ranged(low: float, high: float, *, open_low: bool = False, text: str | None
     return check
 
 
+def _whole(
+    low: int, high: int | None = None, text: str | None = None, *, extra: bool = False
+) -> Handler:
+    """An integer in [low, high] (no upper bound: None), stored as the field of the same
+    name (``extra``: in ``params.extra``)."""
+
+    def check(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
+        if value is None:
+            return
+        v = _integer(name, value)
+        if v < low or (high is not None and v > high):
+            shown = text or (f"in [{low}, {high}]" if high is not None else f"at least {low}")
+            raise ParamError(name, f"'{name}' must be {shown}, got {v}")
+        if extra:
+            params.extra[name] = v
+        else:
+            setattr(params, name, v)
+
+    return check
+
+
 def _repetition_penalty(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
     if value is None:
         return
@@ -243,33 +264,6 @@ def _top_k(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
     if k < -1:
         raise ParamError(name, f"'top_k' must be -1 or 0 (disable), or at least 1, got {k}")
     params.top_k = max(k, 0)
-
-
-def _seed(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
-    if value is None:
-        return
-    seed = _integer(name, value)
-    if not -(2**63) <= seed < 2**63:
-        raise ParamError(name, f"'seed' must fit in 64 bits, got {seed}")
-    params.seed = seed
-
-
-def _n(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
-    if value is None:
-        return
-    n = _integer(name, value)
-    if not 1 <= n <= MAX_N:
-        raise ParamError(name, f"'n' must be in [1, {MAX_N}], got {n}")
-    params.n = n
-
-
-def _min_tokens(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
-    if value is None:
-        return
-    m = _integer(name, value)
-    if m < 0:
-        raise ParamError(name, f"'min_tokens' must be at least 0, got {m}")
-    params.min_tokens = m
 
 
 def _flag(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
@@ -309,15 +303,6 @@ def _logprobs(name: str, value: Any, params: RequestParams, ctx: _Context) -> No
     if not 0 <= count <= MAX_LOGPROBS:
         raise ParamError(name, f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {count}")
     params.logprobs = count
-
-
-def _top_logprobs(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
-    if value is None:
-        return
-    count = _integer(name, value)
-    if not 0 <= count <= MAX_LOGPROBS:
-        raise ParamError(name, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {count}")
-    params.extra["top_logprobs"] = count
 
 
 def _max_tokens(name: str, value: Any, params: RequestParams, ctx: _Context) -> None:
@@ -437,11 +422,11 @@ PARAMETERS: dict[str, Handler] = {
     "stop_token_ids": _stop_token_ids,
     "ignore_eos": _ignore_eos,
     "return_token_ids": _return_token_ids,
-    "min_tokens": _min_tokens,
+    "min_tokens": _whole(0),
     "include_stop_str_in_output": _flag,
     "user": _metadata,
-    "seed": _seed,
-    "n": _n,
+    "seed": _whole(-(2**63), 2**63 - 1, "fit in 64 bits"),
+    "n": _whole(1, MAX_N),
     "temperature": _ranged(0.0, 2.0),
     "top_p": _ranged(0.0, 1.0, open_low=True),
     "top_k": _top_k,
@@ -451,7 +436,7 @@ PARAMETERS: dict[str, Handler] = {
     "repetition_penalty": _repetition_penalty,
     "logit_bias": _logit_bias,
     "logprobs": _logprobs,
-    "top_logprobs": _top_logprobs,
+    "top_logprobs": _whole(0, MAX_LOGPROBS, extra=True),
     "echo": _flag,
     "best_of": unsupported(1, why="must be 1 (as in vLLM's V1 engine)"),
     "suffix": unsupported("", why="is not supported (no fill-in-the-middle)"),
