@@ -6,14 +6,15 @@ experts, Nemotron-H's block pattern with a leading MLP and consecutive mixers),
 re-draws every weight with a scale that makes the model non-trivial (transformers'
 0.02 init gives near-constant logits) and saves it with ``save_pretrained``.
 Helpers convert transformers' cache into this runtime's state layout for comparison, and
-the checks every checkpoint family shares (prefill logits and state, greedy tokens,
-resume from every tier) take a case's directory (``tests/qwen_cases.py`` uses them too).
+the checks every checkpoint family shares (prefill logits and state, chunked prefill and
+decode, batched decode, greedy tokens, resume from every tier, bfloat16) take a case's
+directory, so every family's ``tests/unit/test_checkpoints_*.py`` uses them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ pytest.importorskip("safetensors", reason="needs safetensors (test extra)")
 
 from runtime.checkpoints import load_checkpoint  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
-from runtime.model import HybridModel  # noqa: E402
+from runtime.model import HybridModel, SeqState  # noqa: E402
 
 VOCAB = 128
 ATOL = 1e-4
@@ -241,15 +242,25 @@ def prompt_ids(n: int, seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def hf_logits(directory: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """transformers' logits ``[len(ids), vocab]`` (as float32) of one full forward over the
+    1-D token ids ``ids``, with the checkpoint's weights in ``dtype``."""
+    with torch.no_grad():
+        return hf_model(directory, dtype)(ids[None]).logits[0].float()
+
+
 def assert_prefill_equals_transformers(
     directory: Path,
     hf_index: Callable[[object, int], int],
     conv_to_runtime: Callable[[torch.Tensor, object], torch.Tensor],
-    ssm_to_runtime: Callable[[torch.Tensor], torch.Tensor],
-) -> None:
+    ssm_to_runtime: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> SeqState:
     """Prefill logits of a ``PROMPT``-token prompt and the state after it (every KV, conv
     and recurrent layer) equal transformers' logits and cache within ``ATOL``.
-    ``hf_index(config, layer)`` is transformers' layer index of cache layer ``layer``."""
+    ``hf_index(config, layer)`` is transformers' layer index of cache layer ``layer``.
+    Every layer keeps K/V, a conv state, or both (parallel layers); ``ssm_to_runtime``
+    None: the family keeps no recurrent state (``state.ssm`` must be empty). Returns the
+    runtime's state after the prefill, for a family's own checks."""
     ckpt = load_checkpoint(directory)
     model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
     ids = prompt_ids(PROMPT)
@@ -262,18 +273,23 @@ def assert_prefill_equals_transformers(
     got = model.prefill(ids, state, all_logits=True)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     c = ckpt.config
+    if ssm_to_runtime is None:
+        assert state.ssm == {}
     for layer in range(c.num_layers):
         idx = hf_index(c, layer)
+        assert layer in state.k or layer in state.conv, layer
         if layer in state.k:
             keys = out.cache.layers[idx].keys[0].transpose(0, 1)
             values = out.cache.layers[idx].values[0].transpose(0, 1)
             torch.testing.assert_close(state.k[layer], keys, atol=ATOL, rtol=0)
             torch.testing.assert_close(state.v[layer], values, atol=ATOL, rtol=0)
-        else:
+        if layer in state.conv:
             conv = conv_to_runtime(out.cache.get_conv_state(idx, state_idx=0)[0], c)
-            ssm = ssm_to_runtime(out.cache.get_recurrent_state(idx, state_idx=0)[0])
             torch.testing.assert_close(state.conv[layer], conv, atol=ATOL, rtol=0)
+        if layer in state.conv and ssm_to_runtime is not None:
+            ssm = ssm_to_runtime(out.cache.get_recurrent_state(idx, state_idx=0)[0])
             torch.testing.assert_close(state.ssm[layer], ssm, atol=ATOL, rtol=0)
+    return state
 
 
 def greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
@@ -313,3 +329,76 @@ def assert_resume_from_every_tier(topology, directory: Path, tmp_path: Path) -> 
         assert c.max_diff < RESUME_ATOL, f"{c.label}: logits differ by {c.max_diff}"
         assert c.tokens_equal, c.label
     assert {c.tier for c in checks} == {"device", "host", "storage"}
+
+
+def assert_chunked_prefill_and_decode_equal(
+    directory: Path,
+    length: int,
+    paged: bool,
+    chunks: Sequence[int] = (5, 11),
+    page_ids: Sequence[int] = (5, 2, 7, 0),
+    want: torch.Tensor | None = None,
+) -> None:
+    """``prompt_ids(length)`` prefilled in chunks of ``chunks`` tokens, then the rest decoded
+    one token at a time: every position's logits equal ``want`` (default: transformers'
+    full forward, :func:`hf_logits`) within ``ATOL``. The state is contiguous, or with
+    ``paged`` it lives in pages ``page_ids`` of an 8-page, one-slot device pool."""
+    from mesh_hicache.pools.device import DevicePools
+
+    ckpt = load_checkpoint(directory)
+    ids = prompt_ids(length)
+    if want is None:
+        want = hf_logits(directory, ids)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    state = model.new_state()
+    if paged:
+        pools = DevicePools(model.layout, num_pages=8, num_slots=1)
+        state = model.paged_state(pools, list(page_ids))
+    got, start = [], 0
+    for n in chunks:
+        got.append(model.prefill(ids[start : start + n], state, all_logits=True))
+        start += n
+    for i in range(start, length):
+        got.append(model.decode(int(ids[i]), state)[None])
+    torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
+
+
+def assert_decode_batch_equals_one_by_one(
+    directory: Path,
+    prompts: Sequence[torch.Tensor] | None = None,
+    tokens: Sequence[int] = (7, 100, 31),
+    atol: float = 1e-5,
+) -> tuple[list[SeqState], list[SeqState]]:
+    """One ``decode_batch`` step of ``tokens`` after ``prompts`` (default: prompts of 9,
+    14 and 3 tokens) equals each request's own ``decode`` within ``atol``. Returns the
+    batch's states and the one-by-one states after that step, for a family's own checks."""
+    ckpt = load_checkpoint(directory)
+    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
+    if prompts is None:
+        prompts = [prompt_ids(n, seed=n) for n in (9, 14, 3)]
+    states = [model.new_state() for _ in prompts]
+    alone = [model.new_state() for _ in prompts]
+    for p, s, a in zip(prompts, states, alone, strict=True):
+        model.prefill(p, s)
+        model.prefill(p, a)
+    batch = model.decode_batch(list(tokens), states)
+    one = torch.stack([model.decode(t, a) for t, a in zip(tokens, alone, strict=True)])
+    torch.testing.assert_close(batch, one, atol=atol, rtol=0)
+    return states, alone
+
+
+def assert_bfloat16_close_to_transformers(directory: Path, length: int) -> HybridModel:
+    """bfloat16 rounding moves transformers' own logits (over ``prompt_ids(length)``) away
+    from its float32 ones, by more than 0 and less than half their scale; this runtime's
+    bfloat16 logits must stay as close to float32 as transformers' bfloat16 (at most 1.5x
+    its error). Returns the bfloat16 model, for checks of its weights' dtype."""
+    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
+    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    ids = prompt_ids(length)
+    exact = hf_logits(directory, ids)
+    theirs = hf_logits(directory, ids, torch.bfloat16)
+    got = model.prefill(ids, model.new_state(), all_logits=True)
+    their_err = (theirs - exact).abs().max()
+    assert 0 < their_err < 0.5 * exact.abs().max()
+    assert (got - exact).abs().max() <= 1.5 * their_err
+    return model

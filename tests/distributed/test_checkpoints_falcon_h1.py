@@ -12,13 +12,12 @@ and a tp or pp rank reads < 0.8 of the checkpoint's bytes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.test_checkpoints import _check, _check_resume
-from tests.distributed.test_checkpoints_serve import _expected, _requests, _serve, _tokenizer
+from tests.distributed.test_checkpoints_serve import _check_l3_resharded, _check_serve_twice
 from tests.falcon_h1_cases import build
 
 
@@ -55,42 +54,16 @@ def test_falcon_h1_resume_from_every_tier_on_mesh(
     _check_resume(shape, build("falcon_h1", root), cp_kv, tmp_path, timeout=400)
 
 
-def _setup(tmp_path: Path) -> tuple[Path, Path, list[list[int]]]:
-    directory = build("falcon_h1", tmp_path)
-    _tokenizer(directory)
-    requests = _requests()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    return directory, prompts, _expected(directory, requests)
-
-
 @pytest.mark.parametrize(
     "mesh",
     [(), ("--cp", "2", "--tp", "2", "--cp-kv", "shard"), ("--pp", "2")],
     ids=["1rank", "1x2x2", "2x1x1"],
 )
 def test_falcon_h1_serve_equals_transformers_greedy(tmp_path: Path, mesh) -> None:
-    directory, prompts, want = _setup(tmp_path)
-    storage = tmp_path / "l3"
-    first = _serve(directory, prompts, storage, tmp_path / "first.json", *mesh)
-    assert [r["output_ids"] for r in first["requests"]] == want
-    assert first["requests"][2]["cached"]["device"] > 0  # the second turn of session "a"
-    # A new process on the same storage root: cold L1/L2, the prefixes come from L3.
-    again = _serve(directory, prompts, storage, tmp_path / "again.json", *mesh)
-    assert again["summary"]["cached_storage"] > 0
-    assert [r["output_ids"] for r in again["requests"]] == want
+    _check_serve_twice(build("falcon_h1", tmp_path), tmp_path, *mesh)
 
 
 def test_falcon_h1_l3_resharded_between_meshes(tmp_path: Path) -> None:
     # L3 written by one rank, read by tp=2 (other head / channel slices of both families'
     # objects) and pp=2 (other layer ranges): the same tokens.
-    directory, prompts, want = _setup(tmp_path)
-    storage = tmp_path / "l3"
-    one = _serve(directory, prompts, storage, tmp_path / "one.json")
-    assert [r["output_ids"] for r in one["requests"]] == want
-    for name, mesh in (("tp2", ("--tp", "2")), ("pp2", ("--pp", "2"))):
-        got = _serve(directory, prompts, storage, tmp_path / f"{name}.json", *mesh)
-        assert [r["output_ids"] for r in got["requests"]] == want, name
-        summary = got["summary"]
-        assert summary["cached_storage"] > 0, name
-        assert summary["storage_resharded_tokens"] > 0, name
+    _check_l3_resharded(build("falcon_h1", tmp_path), tmp_path)

@@ -90,6 +90,46 @@ def _serve(directory: Path, prompts: Path, storage: Path, out: Path, *mesh: str)
     return json.loads(out.read_text())
 
 
+def _setup(directory: Path, tmp_path: Path) -> tuple[Path, list[list[int]]]:
+    """Give checkpoint ``directory`` the word-level tokenizer and write ``_requests()`` to
+    ``tmp_path / "prompts.jsonl"``; returns that file and transformers' tokens per request."""
+    _tokenizer(directory)
+    requests = _requests()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
+    return prompts, _expected(directory, requests)
+
+
+def _check_serve_twice(directory: Path, tmp_path: Path, *mesh: str) -> None:
+    """``runtime.serve`` on ``mesh`` (CLI flags; none: one rank) gives transformers' greedy
+    tokens and hits L1 on the second turn of session "a"; a new process on the same storage
+    root (cold L1/L2, the prefixes come from L3) reads L3 and gives them again."""
+    prompts, want = _setup(directory, tmp_path)
+    storage = tmp_path / "l3"
+    first = _serve(directory, prompts, storage, tmp_path / "first.json", *mesh)
+    assert [r["output_ids"] for r in first["requests"]] == want
+    assert first["requests"][2]["cached"]["device"] > 0  # the second turn of session "a"
+    again = _serve(directory, prompts, storage, tmp_path / "again.json", *mesh)
+    assert again["summary"]["cached_storage"] > 0
+    assert [r["output_ids"] for r in again["requests"]] == want
+
+
+def _check_l3_resharded(directory: Path, tmp_path: Path) -> None:
+    """L3 written by one rank, then read by tp=2 (other head / channel slices per object)
+    and by pp=2 (other layer ranges): transformers' tokens each time, with L3 hits that
+    were resharded."""
+    prompts, want = _setup(directory, tmp_path)
+    storage = tmp_path / "l3"
+    one = _serve(directory, prompts, storage, tmp_path / "one.json")
+    assert [r["output_ids"] for r in one["requests"]] == want
+    for name, mesh in (("tp2", ("--tp", "2")), ("pp2", ("--pp", "2"))):
+        got = _serve(directory, prompts, storage, tmp_path / f"{name}.json", *mesh)
+        assert [r["output_ids"] for r in got["requests"]] == want, name
+        summary = got["summary"]
+        assert summary["cached_storage"] > 0, name
+        assert summary["storage_resharded_tokens"] > 0, name
+
+
 @pytest.mark.parametrize(
     ("case", "mesh"),
     [
@@ -104,11 +144,7 @@ def _serve(directory: Path, prompts: Path, storage: Path, out: Path, *mesh: str)
 )
 def test_serve_prompts_equals_transformers_generate(tmp_path: Path, case: str, mesh) -> None:
     directory = build(case, tmp_path)
-    _tokenizer(directory)
-    requests = _requests()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    want = _expected(directory, requests)
+    prompts, want = _setup(directory, tmp_path)
     tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     storage = tmp_path / "l3"
     first = _serve(directory, prompts, storage, tmp_path / "first.json", *mesh)
@@ -126,11 +162,7 @@ def test_serve_prompts_equals_transformers_generate(tmp_path: Path, case: str, m
 def test_serve_reads_l3_across_a_reshard(tmp_path: Path, case: str) -> None:
     # L3 written by one rank, read by a tp=2 x cp=2 mesh: the same tokens as generate.
     directory = build(case, tmp_path)
-    _tokenizer(directory)
-    requests = _requests()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    want = _expected(directory, requests)
+    prompts, want = _setup(directory, tmp_path)
     storage = tmp_path / "l3"
     first = _serve(directory, prompts, storage, tmp_path / "first.json")
     assert [r["output_ids"] for r in first["requests"]] == want

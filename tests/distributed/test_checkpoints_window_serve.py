@@ -11,22 +11,12 @@ tokens.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_checkpoints_serve import _expected, _requests, _serve, _tokenizer
+from tests.distributed.test_checkpoints_serve import _check_l3_resharded, _check_serve_twice
 from tests.window_cases import build
-
-
-def _setup(tmp_path: Path, case: str) -> tuple[Path, Path, list[list[int]]]:
-    directory = build(case, tmp_path)
-    _tokenizer(directory)
-    requests = _requests()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    return directory, prompts, _expected(directory, requests)
 
 
 @pytest.mark.parametrize(
@@ -49,25 +39,9 @@ def _setup(tmp_path: Path, case: str) -> tuple[Path, Path, list[list[int]]]:
     ],  # fmt: skip
 )
 def test_windowed_serve_equals_transformers_generate(tmp_path: Path, case: str, mesh) -> None:
-    directory, prompts, want = _setup(tmp_path, case)
-    storage = tmp_path / "l3"
-    first = _serve(directory, prompts, storage, tmp_path / "first.json", *mesh)
-    assert [r["output_ids"] for r in first["requests"]] == want
-    assert first["requests"][2]["cached"]["device"] > 0  # the second turn of session "a"
-    again = _serve(directory, prompts, storage, tmp_path / "again.json", *mesh)
-    assert again["summary"]["cached_storage"] > 0
-    assert [r["output_ids"] for r in again["requests"]] == want
+    _check_serve_twice(build(case, tmp_path), tmp_path, *mesh)
 
 
 @pytest.mark.parametrize("case", ["gpt_oss", "gemma3"])
 def test_windowed_l3_resharded_between_meshes(tmp_path: Path, case: str) -> None:
-    directory, prompts, want = _setup(tmp_path, case)
-    storage = tmp_path / "l3"
-    one = _serve(directory, prompts, storage, tmp_path / "one.json")
-    assert [r["output_ids"] for r in one["requests"]] == want
-    for name, mesh in (("tp2", ("--tp", "2")), ("pp2", ("--pp", "2"))):
-        got = _serve(directory, prompts, storage, tmp_path / f"{name}.json", *mesh)
-        assert [r["output_ids"] for r in got["requests"]] == want, name
-        summary = got["summary"]
-        assert summary["cached_storage"] > 0, name
-        assert summary["storage_resharded_tokens"] > 0, name
+    _check_l3_resharded(build(case, tmp_path), tmp_path)

@@ -6,12 +6,11 @@ reads L3 and still matches. Same requests and tokenizer as ``test_checkpoints_se
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_checkpoints_serve import _expected, _requests, _serve, _tokenizer
+from tests.distributed.test_checkpoints_serve import _check_serve_twice
 from tests.qwen_cases import build
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test extra)")
@@ -28,16 +27,4 @@ tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test ex
     ids=["next-1rank", "qwen35-1rank", "next-1x2x2", "qwen35moe-2x1x1"],
 )
 def test_serve_prompts_equals_transformers_generate(tmp_path: Path, case: str, mesh) -> None:
-    directory = build(case, tmp_path)
-    _tokenizer(directory)
-    requests = _requests()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    want = _expected(directory, requests)
-    storage = tmp_path / "l3"
-    first = _serve(directory, prompts, storage, tmp_path / "first.json", *mesh)
-    assert [r["output_ids"] for r in first["requests"]] == want
-    assert first["requests"][2]["cached"]["device"] > 0  # the second turn of session "a"
-    again = _serve(directory, prompts, storage, tmp_path / "again.json", *mesh)
-    assert again["summary"]["cached_storage"] > 0
-    assert [r["output_ids"] for r in again["requests"]] == want
+    _check_serve_twice(build(case, tmp_path), tmp_path, *mesh)

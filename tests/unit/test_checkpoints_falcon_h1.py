@@ -22,12 +22,15 @@ from runtime.checkpoints import falcon_h1, load_checkpoint
 from runtime.model import HybridModel
 from runtime.model.parallel_mixer import ParallelMixer
 from tests.checkpoint_cases import (
-    ATOL,
     PROMPT,
+    assert_bfloat16_close_to_transformers,
+    assert_chunked_prefill_and_decode_equal,
+    assert_decode_batch_equals_one_by_one,
     assert_greedy_equals_generate,
+    assert_prefill_equals_transformers,
     assert_resume_from_every_tier,
     hf_conv_to_runtime,
-    hf_model,
+    hf_logits,
     prompt_ids,
 )
 from tests.falcon_h1_cases import CASES, build
@@ -40,39 +43,15 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("falcon_h1_ckpt")
 
 
-def _theirs(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(directory)(ids[None]).logits[0].float()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_logits_and_both_states_equal_transformers(root: Path, case: str) -> None:
     # Every layer keeps K/V AND a conv / SSM state: both must equal transformers' cache.
     directory = build(case, root)
-    ckpt = load_checkpoint(directory)
-    c = ckpt.config
-    model = HybridModel(c, weights=ckpt.weights, page_size=16)
-    ids = prompt_ids(PROMPT)
-    with torch.no_grad():
-        out = hf_model(directory)(ids[None], use_cache=True)
-    want = out.logits[0].float()
-    assert want.abs().max() > 1.0  # a non-trivial model
-    state = model.new_state()
-    got = model.prefill(ids, state, all_logits=True)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    assert sorted(state.k) == sorted(state.conv) == sorted(state.ssm) == list(range(c.num_layers))
-    for layer in range(c.num_layers):
-        cached = out.cache.layers[layer]
-        torch.testing.assert_close(
-            state.k[layer], cached.keys[0].transpose(0, 1), atol=ATOL, rtol=0
-        )
-        torch.testing.assert_close(
-            state.v[layer], cached.values[0].transpose(0, 1), atol=ATOL, rtol=0
-        )
-        conv = hf_conv_to_runtime(out.cache.get_conv_state(layer, state_idx=0)[0], c)
-        ssm = out.cache.get_recurrent_state(layer, state_idx=0)[0].float()
-        torch.testing.assert_close(state.conv[layer], conv, atol=ATOL, rtol=0)
-        torch.testing.assert_close(state.ssm[layer], ssm, atol=ATOL, rtol=0)
+    state = assert_prefill_equals_transformers(
+        directory, lambda config, layer: layer, hf_conv_to_runtime, lambda ssm: ssm.float()
+    )
+    layers = list(range(load_checkpoint(directory).config.num_layers))
+    assert sorted(state.k) == sorted(state.conv) == sorted(state.ssm) == layers
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -80,37 +59,11 @@ def test_logits_and_both_states_equal_transformers(root: Path, case: str) -> Non
 def test_chunked_prefill_and_decode_equal_transformers(root: Path, case: str, paged: bool) -> None:
     # Chunks of 5 and 11 tokens then one-token decodes (attention over the cached K/V and
     # the recurrent step), each position's logits against transformers' full forward.
-    from mesh_hicache.pools.device import DevicePools
-
-    directory = build(case, root)
-    ckpt = load_checkpoint(directory)
-    ids = prompt_ids(LENGTH)
-    want = _theirs(directory, ids)
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    state = model.new_state()
-    if paged:
-        pools = DevicePools(model.layout, num_pages=8, num_slots=1)
-        state = model.paged_state(pools, [5, 2, 7, 0])
-    got = [model.prefill(ids[:5], state, all_logits=True)]
-    got.append(model.prefill(ids[5:16], state, all_logits=True))
-    for i in range(16, LENGTH):
-        got.append(model.decode(int(ids[i]), state)[None])
-    torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
+    assert_chunked_prefill_and_decode_equal(build(case, root), LENGTH, paged)
 
 
 def test_decode_batch_equals_one_by_one(root: Path) -> None:
-    ckpt = load_checkpoint(build("falcon_h1", root))
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    prompts = [prompt_ids(n, seed=n) for n in (9, 14, 3)]
-    states = [model.new_state() for _ in prompts]
-    alone = [model.new_state() for _ in prompts]
-    for p, s, a in zip(prompts, states, alone, strict=True):
-        model.prefill(p, s)
-        model.prefill(p, a)
-    tokens = [7, 100, 31]
-    batch = model.decode_batch(tokens, states)
-    one = torch.stack([model.decode(t, a) for t, a in zip(tokens, alone, strict=True)])
-    torch.testing.assert_close(batch, one, atol=1e-5, rtol=0)
+    assert_decode_batch_equals_one_by_one(build("falcon_h1", root))
 
 
 def test_multipliers_and_both_mixers_matter(root: Path, monkeypatch) -> None:
@@ -118,7 +71,7 @@ def test_multipliers_and_both_mixers_matter(root: Path, monkeypatch) -> None:
     # the logits move by far more than the tolerance.
     directory = build("falcon_h1", root)
     ids = prompt_ids(PROMPT)
-    want = _theirs(directory, ids)
+    want = hf_logits(directory, ids)
 
     def logits(model: HybridModel) -> torch.Tensor:
         return model.prefill(ids, model.new_state(), all_logits=True)
@@ -190,16 +143,4 @@ def test_unsupported_options_are_refused(root: Path, key: str, value, match: str
 
 
 def test_bfloat16_close_to_transformers(root: Path) -> None:
-    # bfloat16 rounding moves transformers' own logits away from its float32 ones; ours
-    # must stay as close to float32 as transformers' bfloat16 (at most 1.5x its error).
-    directory = build("falcon_h1", root)
-    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
-    model = HybridModel(ckpt.config, weights=ckpt.weights)
-    ids = prompt_ids(PROMPT)
-    with torch.no_grad():
-        exact = hf_model(directory)(ids[None]).logits[0].float()
-        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
-    got = model.prefill(ids, model.new_state(), all_logits=True)
-    their_err = (theirs - exact).abs().max()
-    assert 0 < their_err < 0.5 * exact.abs().max()
-    assert (got - exact).abs().max() <= 1.5 * their_err
+    assert_bfloat16_close_to_transformers(build("falcon_h1", root), PROMPT)

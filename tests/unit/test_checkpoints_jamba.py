@@ -19,12 +19,14 @@ from runtime.checkpoints import load_checkpoint
 from runtime.model import HybridModel
 from runtime.model.mamba1 import Mamba1
 from tests.checkpoint_cases import (
-    ATOL,
     PROMPT,
+    assert_bfloat16_close_to_transformers,
+    assert_chunked_prefill_and_decode_equal,
+    assert_decode_batch_equals_one_by_one,
     assert_greedy_equals_generate,
     assert_prefill_equals_transformers,
     assert_resume_from_every_tier,
-    hf_model,
+    hf_logits,
     prompt_ids,
 )
 from tests.jamba_cases import build, hf_conv_to_runtime, hf_recurrent_to_runtime
@@ -35,11 +37,6 @@ LENGTH = 45
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jamba_ckpt")
-
-
-def _theirs(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(directory)(ids[None]).logits[0].float()
 
 
 def test_logits_and_state_equal_transformers(root: Path) -> None:
@@ -54,37 +51,11 @@ def test_logits_and_state_equal_transformers(root: Path) -> None:
 def test_chunked_prefill_and_decode_equal_transformers(root: Path, paged: bool) -> None:
     # Chunks of 5 and 11 tokens then one-token decodes (the recurrent step), each
     # position's logits against transformers' full forward.
-    from mesh_hicache.pools.device import DevicePools
-
-    directory = build("jamba", root)
-    ckpt = load_checkpoint(directory)
-    ids = prompt_ids(LENGTH)
-    want = _theirs(directory, ids)
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    state = model.new_state()
-    if paged:
-        pools = DevicePools(model.layout, num_pages=8, num_slots=1)
-        state = model.paged_state(pools, [5, 2, 7, 0])
-    got = [model.prefill(ids[:5], state, all_logits=True)]
-    got.append(model.prefill(ids[5:16], state, all_logits=True))
-    for i in range(16, LENGTH):
-        got.append(model.decode(int(ids[i]), state)[None])
-    torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
+    assert_chunked_prefill_and_decode_equal(build("jamba", root), LENGTH, paged)
 
 
 def test_decode_batch_equals_one_by_one(root: Path) -> None:
-    ckpt = load_checkpoint(build("jamba", root))
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    prompts = [prompt_ids(n, seed=n) for n in (9, 14, 3)]
-    states = [model.new_state() for _ in prompts]
-    alone = [model.new_state() for _ in prompts]
-    for p, s, a in zip(prompts, states, alone, strict=True):
-        model.prefill(p, s)
-        model.prefill(p, a)
-    tokens = [7, 100, 31]
-    batch = model.decode_batch(tokens, states)
-    one = torch.stack([model.decode(t, a) for t, a in zip(tokens, alone, strict=True)])
-    torch.testing.assert_close(batch, one, atol=1e-5, rtol=0)
+    assert_decode_batch_equals_one_by_one(build("jamba", root))
 
 
 def test_state_norms_matter(root: Path) -> None:
@@ -93,7 +64,7 @@ def test_state_norms_matter(root: Path) -> None:
     directory = build("jamba", root)
     ckpt = load_checkpoint(directory)
     ids = prompt_ids(PROMPT)
-    want = _theirs(directory, ids)
+    want = hf_logits(directory, ids)
     model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
     for block in model.blocks:
         if isinstance(block.mixer, Mamba1):
@@ -128,17 +99,5 @@ def test_config_follows_the_checkpoint(root: Path) -> None:
 
 
 def test_bfloat16_close_to_transformers(root: Path) -> None:
-    # bfloat16 rounding moves transformers' own logits away from its float32 ones; ours
-    # must stay as close to float32 as transformers' bfloat16 (at most 1.5x its error).
-    directory = build("jamba", root)
-    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
-    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    model = assert_bfloat16_close_to_transformers(build("jamba", root), PROMPT)
     assert model.blocks[0].mixer.w_out.dtype == torch.bfloat16
-    ids = prompt_ids(PROMPT)
-    with torch.no_grad():
-        exact = hf_model(directory)(ids[None]).logits[0].float()
-        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
-    got = model.prefill(ids, model.new_state(), all_logits=True)
-    their_err = (theirs - exact).abs().max()
-    assert 0 < their_err < 0.5 * exact.abs().max()
-    assert (got - exact).abs().max() <= 1.5 * their_err

@@ -20,7 +20,11 @@ from runtime.checkpoints import load_checkpoint
 from runtime.model import HybridModel
 from tests.checkpoint_cases import (
     ATOL,
+    assert_bfloat16_close_to_transformers,
+    assert_chunked_prefill_and_decode_equal,
+    assert_decode_batch_equals_one_by_one,
     assert_greedy_equals_generate,
+    assert_prefill_equals_transformers,
     assert_resume_from_every_tier,
     hf_model,
     prompt_ids,
@@ -42,29 +46,18 @@ def _theirs(directory: Path, ids: torch.Tensor):
 
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_logits_and_state_equal_transformers(root: Path, case: str) -> None:
+    # One cache layer per decoder layer; a short conv keeps its conv window only (the
+    # last L_cache - 1 inputs of transformers' window), no recurrent state.
     directory = build(case, root)
-    ckpt = load_checkpoint(directory)
-    ids = prompt_ids(LENGTH)
-    out = _theirs(directory, ids)
-    want = out.logits[0].float()
-    assert want.abs().max() > 1.0  # a non-trivial model
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    state = model.new_state()
-    got = model.prefill(ids, state, all_logits=True)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    c = ckpt.config
-    assert state.ssm == {}  # a short conv keeps its conv window only
-    for layer in range(c.num_layers):
-        if layer in state.k:
-            keys = out.cache.layers[layer].keys[0].transpose(0, 1)
-            values = out.cache.layers[layer].values[0].transpose(0, 1)
-            torch.testing.assert_close(state.k[layer], keys, atol=ATOL, rtol=0)
-            torch.testing.assert_close(state.v[layer], values, atol=ATOL, rtol=0)
-        else:
-            theirs = out.cache.get_conv_state(layer, state_idx=0)[0]
-            conv = theirs[:, -(c.conv_kernel - 1) :]
-            assert state.conv[layer].shape == (c.d_model, c.conv_kernel - 1)
-            torch.testing.assert_close(state.conv[layer], conv, atol=ATOL, rtol=0)
+    state = assert_prefill_equals_transformers(
+        directory,
+        lambda config, layer: layer,
+        lambda conv, config: conv[:, -(config.conv_kernel - 1) :],
+        None,
+    )
+    c = load_checkpoint(directory).config
+    for conv in state.conv.values():
+        assert conv.shape == (c.d_model, c.conv_kernel - 1)
 
 
 def test_the_gated_conv_matters(root: Path) -> None:
@@ -91,42 +84,23 @@ def test_the_gated_conv_matters(root: Path) -> None:
 def test_chunked_prefill_and_decode_equal_transformers(root: Path, case: str, paged: bool):
     # Chunks of 1, 2 and 11 tokens (shorter and longer than the conv window) then
     # one-token decodes; every position's logits against transformers' full forward.
-    from mesh_hicache.pools.device import DevicePools
-
     directory = build(case, root)
-    ckpt = load_checkpoint(directory)
-    ids = prompt_ids(LENGTH)
-    want = _theirs(directory, ids).logits[0].float()
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    state = model.new_state()
-    if paged:
-        pools = DevicePools(model.layout, num_pages=8, num_slots=1)
-        state = model.paged_state(pools, [5, 2, 7])
-    got = [model.prefill(ids[:1], state, all_logits=True)]
-    got.append(model.prefill(ids[1:3], state, all_logits=True))
-    got.append(model.prefill(ids[3:14], state, all_logits=True))
-    for i in range(14, LENGTH):
-        got.append(model.decode(int(ids[i]), state)[None])
-    torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
+    want = _theirs(directory, prompt_ids(LENGTH)).logits[0].float()
+    assert_chunked_prefill_and_decode_equal(
+        directory, LENGTH, paged, chunks=(1, 2, 11), page_ids=(5, 2, 7), want=want
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_batched_decode_equals_one_by_one(root: Path, case: str) -> None:
-    ckpt = load_checkpoint(build(case, root))
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
     prompts = [prompt_ids(9, seed=1), prompt_ids(4, seed=2), prompt_ids(13, seed=3)]
-    states = [model.new_state() for _ in prompts]
-    singles = [model.new_state() for _ in prompts]
-    for p, s, one in zip(prompts, states, singles, strict=True):
-        model.prefill(p, s)
-        model.prefill(p, one)
-    tokens = [7, 100, 3]
-    batch = model.decode_batch(tokens, states)
-    for i, (tok, one) in enumerate(zip(tokens, singles, strict=True)):
-        torch.testing.assert_close(batch[i], model.decode(tok, one), atol=ATOL, rtol=0)
+    states, singles = assert_decode_batch_equals_one_by_one(
+        build(case, root), prompts, tokens=(7, 100, 3), atol=ATOL
+    )
+    for batched, one in zip(states, singles, strict=True):
         for lid, conv in one.conv.items():
             # The batch's one GEMM rounds B * x like a different sum order: ~1e-7.
-            torch.testing.assert_close(states[i].conv[lid], conv, atol=ATOL, rtol=0)
+            torch.testing.assert_close(batched.conv[lid], conv, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -166,16 +140,4 @@ def test_config_and_spec_follow_the_checkpoint(root: Path, case: str) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_bfloat16_close_to_transformers(root: Path, case: str) -> None:
-    # bfloat16 rounding moves transformers' own logits away from its float32 ones; ours
-    # must stay as close to float32 as transformers' bfloat16 (at most 1.5x its error).
-    directory = build(case, root)
-    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
-    model = HybridModel(ckpt.config, weights=ckpt.weights)
-    ids = prompt_ids(LENGTH)
-    with torch.no_grad():
-        exact = hf_model(directory)(ids[None]).logits[0].float()
-        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
-    got = model.prefill(ids, model.new_state(), all_logits=True)
-    their_err = (theirs - exact).abs().max()
-    assert 0 < their_err < 0.5 * exact.abs().max()
-    assert (got - exact).abs().max() <= 1.5 * their_err
+    assert_bfloat16_close_to_transformers(build(case, root), LENGTH)

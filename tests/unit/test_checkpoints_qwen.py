@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from runtime.checkpoints import load_checkpoint
-from runtime.model import HybridModel
 from tests.checkpoint_cases import (
     PROMPT,
+    assert_bfloat16_close_to_transformers,
     assert_greedy_equals_generate,
     assert_prefill_equals_transformers,
     assert_resume_from_every_tier,
 )
-from tests.checkpoint_cases import prompt_ids as _ids
-from tests.qwen_cases import CASES, build, hf_conv_to_runtime, hf_model, hf_recurrent_to_runtime
+from tests.qwen_cases import CASES, build, hf_conv_to_runtime, hf_recurrent_to_runtime
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +55,9 @@ def test_resume_from_every_tier_equals_recompute(
 
 def test_bfloat16_close_to_transformers(root: Path) -> None:
     # bfloat16 rounding on this random model moves transformers' own logits by ~0.8 (of a
-    # scale ~4) from its float32 ones; ours must stay as close to float32 as transformers'
-    # bfloat16 (at most 1.5x its error), which a wrong bfloat16 path would not.
-    directory = build("qwen3_next", root)
-    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
-    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    # scale ~4) from its float32 ones; a wrong bfloat16 path would not stay within 1.5x.
+    model = assert_bfloat16_close_to_transformers(build("qwen3_next", root), PROMPT)
     assert model.blocks[0].mixer.w_out.dtype == torch.bfloat16
-    ids = _ids(PROMPT)
-    with torch.no_grad():
-        exact = hf_model(directory)(ids[None]).logits[0].float()
-        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
-    got = model.prefill(ids, model.new_state(), all_logits=True)
-    their_err = (theirs - exact).abs().max()
-    assert 0 < their_err < 0.5 * exact.abs().max()
-    assert (got - exact).abs().max() <= 1.5 * their_err
 
 
 def test_config_follows_the_checkpoint(root: Path) -> None:

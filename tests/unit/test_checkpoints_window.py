@@ -20,9 +20,11 @@ from runtime.engine import Engine
 from runtime.model import HybridModel, windowed
 from tests.checkpoint_cases import (
     ATOL,
+    assert_bfloat16_close_to_transformers,
+    assert_chunked_prefill_and_decode_equal,
     assert_greedy_equals_generate,
     assert_resume_from_every_tier,
-    hf_model,
+    hf_logits,
     prompt_ids,
 )
 from tests.window_cases import CASES, WINDOWS, build
@@ -35,11 +37,6 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("window_ckpt")
 
 
-def _theirs(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(directory)(ids[None]).logits[0].float()
-
-
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("block", [128, 7])
 def test_logits_equal_transformers(root: Path, case: str, block: int, monkeypatch) -> None:
@@ -49,7 +46,7 @@ def test_logits_equal_transformers(root: Path, case: str, block: int, monkeypatc
     directory = build(case, root)
     ckpt = load_checkpoint(directory)
     ids = prompt_ids(LENGTH)
-    want = _theirs(directory, ids)
+    want = hf_logits(directory, ids)
     model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
     got = model.prefill(ids, model.new_state(), all_logits=True)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
@@ -64,7 +61,7 @@ def test_sinks_and_clamp_matter(root: Path) -> None:
     directory = build("gpt_oss", root)
     ckpt = load_checkpoint(directory)
     ids = prompt_ids(LENGTH)
-    want = _theirs(directory, ids)
+    want = hf_logits(directory, ids)
     for change in (dict(attn_sinks=False), dict(swiglu_limit=1e9)):
         config = replace(ckpt.config, **change)  # type: ignore[arg-type]
         model = HybridModel(config, weights=load_checkpoint(directory).weights, page_size=16)
@@ -77,22 +74,7 @@ def test_sinks_and_clamp_matter(root: Path) -> None:
 def test_chunked_prefill_and_decode_equal_transformers(root: Path, case: str, paged: bool):
     # Chunks of 5 / 11 tokens then one-token decodes, each position's logits against
     # transformers' full forward: every query's window starts at a different key.
-    from mesh_hicache.pools.device import DevicePools
-
-    directory = build(case, root)
-    ckpt = load_checkpoint(directory)
-    ids = prompt_ids(LENGTH)
-    want = _theirs(directory, ids)
-    model = HybridModel(ckpt.config, weights=ckpt.weights, page_size=16)
-    state = model.new_state()
-    if paged:
-        pools = DevicePools(model.layout, num_pages=8, num_slots=1)
-        state = model.paged_state(pools, [5, 2, 7, 0])
-    got = [model.prefill(ids[:5], state, all_logits=True)]
-    got.append(model.prefill(ids[5:16], state, all_logits=True))
-    for i in range(16, LENGTH):
-        got.append(model.decode(int(ids[i]), state)[None])
-    torch.testing.assert_close(torch.cat(got), want, atol=ATOL, rtol=0)
+    assert_chunked_prefill_and_decode_equal(build(case, root), LENGTH, paged)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -169,17 +151,5 @@ def test_config_follows_the_checkpoint(root: Path, case: str) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_bfloat16_close_to_transformers(root: Path, case: str) -> None:
-    # bfloat16 rounding moves transformers' own logits away from its float32 ones; ours
-    # must stay as close to float32 as transformers' bfloat16 (at most 1.5x its error).
-    directory = build(case, root)
-    ckpt = load_checkpoint(directory, dtype=torch.bfloat16)
-    model = HybridModel(ckpt.config, weights=ckpt.weights)
+    model = assert_bfloat16_close_to_transformers(build(case, root), LENGTH)
     assert model.blocks[0].mixer.wqkv.dtype == torch.bfloat16
-    ids = prompt_ids(LENGTH)
-    with torch.no_grad():
-        exact = hf_model(directory)(ids[None]).logits[0].float()
-        theirs = hf_model(directory, torch.bfloat16)(ids[None]).logits[0].float()
-    got = model.prefill(ids, model.new_state(), all_logits=True)
-    their_err = (theirs - exact).abs().max()
-    assert 0 < their_err < 0.5 * exact.abs().max()
-    assert (got - exact).abs().max() <= 1.5 * their_err
