@@ -75,6 +75,28 @@ def test_ctrl_c_stops_a_mesh_server_without_a_traceback() -> None:
     assert proc.returncode in (0, 130), (proc.returncode, log)
 
 
+def test_a_stop_message_to_ranks_that_left_is_one_warning(caplog) -> None:
+    """After Ctrl-C the other ranks may be gone before rank 0's stop message: a lost peer
+    then is one warning line, while any other error still propagates."""
+    from runtime.server.worker import _Control
+
+    def lost_peer() -> None:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+    def bug() -> None:
+        raise ValueError("not a mesh failure")
+
+    control = _Control(None)
+    with caplog.at_level("WARNING"):
+        control.last(lost_peer)
+    assert [r.getMessage() for r in caplog.records] == [
+        "runtime.server: the stop message did not reach every rank: a peer rank is dead or "
+        "frozen (collective failed: [gloo/transport/tcp/pair.cc:553] Connection closed by peer)"
+    ]
+    with pytest.raises(ValueError, match="not a mesh failure"):
+        control.last(bug)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
