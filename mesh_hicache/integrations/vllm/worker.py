@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -229,7 +230,9 @@ class ConnectorWorker:
                     row = lc.block(block_id)
                     row.copy_(page[offset : offset + n].view(row.dtype).view(row.shape))
 
-        copies = [(layer, lambda p=parts: copy_layer(p)) for layer, parts in self._kv_layers]
+        copies: list[tuple[str, Callable[[], None]]] = [
+            (layer, partial(copy_layer, parts)) for layer, parts in self._kv_layers
+        ]
         loads = LayerLoads(copies)
         if not self.layerwise_load:
             loads.run()
