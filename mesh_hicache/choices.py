@@ -96,6 +96,8 @@ class RegionName(Choice):
     """Names of the host-pool tensors (docs/DESIGN.md section 4); part of every storage key."""
 
     KV = "kv"
+    KV_WINDOW = "kv_window"
+    """The K/V of the sliding-window layers (``StateSpec.windows``), paged like ``kv``."""
     INDEXER = "indexer"
     MAMBA_CONV = "mamba_conv"
     MAMBA_SSM = "mamba_ssm"

@@ -6,17 +6,20 @@ math). Derived rules:
 
 - **PP** splits the model's layers into contiguous stages balanced by layer count
   (:func:`stage_layers`). A family's local layers are its ids inside the stage's range,
-  possibly none. Stages may hold different numbers of a family's layers; the L dim of
+  possibly none. Stages may hold different numbers of a region's layers; the L dim of
   every rank's host pool is padded to the maximum over stages so that local shapes (and
   page/slot counts) are equal on every rank, as ``Shard`` over pp requires. Row ``i`` of
   the L dim holds ``local_layer_ids[i]``; rows past them are padding, never read.
+- **Windowed KV**: with ``spec.windows`` the ``kv`` region holds the full-attention layers
+  and a ``kv_window`` region (same placements) the sliding-window ones, each padded over
+  stages by its own layer count.
 - **kv_heads < tp**: each tp rank holds one head; ``tp / kv_heads`` consecutive tp ranks
   hold the same head. The DTensor's global H dim is then ``tp`` (heads duplicated) so that
   ``Shard`` over tp still works; :class:`GlobalSlice` reports the real head.
 - **cp_kv="shard"**: cp rank ``c`` holds tokens ``[c*T/cp, (c+1)*T/cp)`` of every page.
 - **Writer election**: a rank writes a region's shard to storage iff its coordinate is 0 on
   every axis where the region is replicated (for duplicated KV heads: it is the first of
-  the tp ranks holding that head) and its stage holds at least one of the family's layers.
+  the tp ranks holding that head) and its stage holds at least one of the region's layers.
   Every distinct non-empty shard then has exactly one writer.
 
 The moved names (regions, shard math) are re-exported here so importers keep one entry point.
@@ -34,10 +37,12 @@ from mesh_hicache.regions import (
     RankPosition,
     RegionLayers,
     RegionLayout,
+    family_layer_ids,
     indexer_region,
     kv_region,
     local_kv_heads,
     mamba_regions,
+    region_layer_ids,
 )
 from mesh_hicache.shards import (
     kv_head_range,
@@ -139,21 +144,21 @@ class StateLayout:
         return stage_layers(self.spec.num_layers, self.shape[0], stage)
 
     def family_layers(self, family: Family, stage: int | None = None) -> tuple[int, ...]:
-        """The family's layer ids on ``stage`` (default: this rank's stage); may be empty."""
-        ids = self._family_ids(family)
-        rng = self.layer_ids if stage is None else self.stage_layers(stage)
-        return tuple(i for i in ids if i in rng)
+        """The family's layer ids on ``stage`` (default: this rank's stage); may be empty.
+        KV: full-attention and windowed layers together."""
+        return self._on_stage(self._family_ids(family), stage)
 
     def _family_ids(self, family: Family) -> tuple[int, ...]:
-        spec = self.spec
-        if family is Family.KV:
-            return spec.kv.layer_ids if spec.kv is not None else ()
-        if family is Family.MAMBA:
-            return spec.mamba.layer_ids if spec.mamba is not None else ()
-        return spec.indexer.layer_ids if spec.indexer is not None else ()
+        return family_layer_ids(self.spec, family)
 
-    def _padded_layers(self, family: Family) -> int:
-        return max(len(self.family_layers(family, s)) for s in range(self.shape[0]))
+    def region_layers(self, name: RegionName | str, stage: int | None = None) -> tuple[int, ...]:
+        """The layer ids region ``name`` holds on ``stage`` (default: this rank's stage);
+        may be empty (``kv``: the full-attention layers, ``kv_window``: the windowed ones)."""
+        return self._on_stage(region_layer_ids(self.spec, RegionName(name)), stage)
+
+    def _on_stage(self, ids: tuple[int, ...], stage: int | None) -> tuple[int, ...]:
+        rng = self.layer_ids if stage is None else self.stage_layers(stage)
+        return tuple(i for i in ids if i in rng)
 
     @property
     def local_kv_heads(self) -> int:
@@ -173,7 +178,7 @@ class StateLayout:
 
     @property
     def regions(self) -> tuple[RegionLayout, ...]:
-        """Present regions in a fixed order: kv, indexer, mamba_conv, mamba_ssm."""
+        """Present regions in a fixed order: kv, kv_window, indexer, mamba_conv, mamba_ssm."""
         return self._regions
 
     def region(self, name: RegionName | str) -> RegionLayout:
@@ -191,8 +196,8 @@ class StateLayout:
     def held_regions(self, paged: bool | None = None) -> tuple[RegionLayout, ...]:
         """Regions of which this rank's stage holds at least one layer, in region order.
 
-        ``paged=True``: only page-indexed ones (kv, indexer); ``False``: only the Mamba slot
-        ones; ``None``: all. These are the regions a rank copies, stores and reads.
+        ``paged=True``: only page-indexed ones (kv, kv_window, indexer); ``False``: only the
+        Mamba slot ones; ``None``: all. These are the regions a rank copies, stores and reads.
         """
         return tuple(
             r for r in self._regions if r.local_layer_ids and (paged is None or r.paged == paged)
@@ -220,22 +225,27 @@ class StateLayout:
             return RankPosition(self.shape, self.coords, True, (c * n, (c + 1) * n), n)
         return RankPosition(self.shape, self.coords, False, (0, ps), ps)
 
-    def _layers(self, family: Family) -> RegionLayers:
-        ids = self.family_layers(family)
+    def _layers(self, name: RegionName) -> RegionLayers:
+        """Region ``name``'s layers here, its L dim padded to the most any stage holds."""
+        ids = self.region_layers(name)
+        rows = max(len(self.region_layers(name, s)) for s in range(self.shape[0]))
         start = self.layer_ids.start
         span = (ids[0], ids[-1] + 1) if ids else (start, start)
-        return RegionLayers(ids, self._padded_layers(family), span)
+        return RegionLayers(ids, rows, span)
 
     def _build_regions(self) -> list[RegionLayout]:
         pos = self._position()
         spec = self.spec
         out: list[RegionLayout] = []
         if spec.kv is not None:
-            out.append(kv_region(spec.kv, spec.page_size, pos, self._layers(Family.KV)))
+            out.append(kv_region(spec.kv, spec.page_size, pos, self._layers(RegionName.KV)))
+            if spec.windows:
+                window = self._layers(RegionName.KV_WINDOW)
+                out.append(kv_region(spec.kv, spec.page_size, pos, window, RegionName.KV_WINDOW))
         if spec.indexer is not None:
-            out.append(indexer_region(spec, pos, self._layers(Family.INDEXER)))
+            out.append(indexer_region(spec, pos, self._layers(RegionName.INDEXER)))
         if spec.mamba is not None:
-            out.extend(mamba_regions(spec, pos, self._layers(Family.MAMBA)))
+            out.extend(mamba_regions(spec, pos, self._layers(RegionName.MAMBA_CONV)))
         return out
 
     def __repr__(self) -> str:

@@ -1,6 +1,7 @@
 """One region of a rank's host pool: its placements, row shapes and global slice.
 
 A *region* (:class:`RegionName`) is one host-pool tensor: ``kv`` (K and V together),
+``kv_window`` (the same for the sliding-window layers, when the spec has any),
 ``indexer``, ``mamba_conv`` and ``mamba_ssm``. Its global tensor has the host page (or
 slot) index as dim 0 and one *row* per page/slot after it; placements over (pp, cp, tp)
 follow the table of docs/DESIGN.md section 4 (placement dims count the page dim 0:
@@ -43,6 +44,7 @@ class GlobalSlice:
 
 REGION_FAMILY: dict[RegionName, Family] = {
     RegionName.KV: Family.KV,
+    RegionName.KV_WINDOW: Family.KV,
     RegionName.INDEXER: Family.INDEXER,
     RegionName.MAMBA_CONV: Family.MAMBA,
     RegionName.MAMBA_SSM: Family.MAMBA,
@@ -125,11 +127,27 @@ class RankPosition:
 
 @dataclass(frozen=True, slots=True)
 class RegionLayers:
-    """A family's layers on a rank: ids held, padded row count, global layer range."""
+    """A region's layers on a rank: ids held, padded row count, global layer range."""
 
     ids: tuple[int, ...]
     rows: int
     span: tuple[int, int]
+
+
+def family_layer_ids(spec: StateSpec, family: Family) -> tuple[int, ...]:
+    """Global ids of ``family``'s layers (KV: full-attention and windowed together)."""
+    sub = {Family.KV: spec.kv, Family.MAMBA: spec.mamba, Family.INDEXER: spec.indexer}[family]
+    return sub.layer_ids if sub is not None else ()
+
+
+def region_layer_ids(spec: StateSpec, name: RegionName) -> tuple[int, ...]:
+    """Global ids of the layers region ``name`` holds rows of: ``kv`` the full-attention
+    layers, ``kv_window`` the sliding-window ones, any other region its family's."""
+    if name is RegionName.KV:
+        return spec.full_kv_layer_ids
+    if name is RegionName.KV_WINDOW:
+        return spec.window_layer_ids
+    return family_layer_ids(spec, REGION_FAMILY[name])
 
 
 def local_kv_heads(kv: KVSpec, tp: int) -> int:
@@ -143,9 +161,16 @@ def _cp_placement(sharded: bool, token_dim: int) -> Placement:
     return Shard(token_dim) if sharded else Replicate()
 
 
-def kv_region(kv: KVSpec, page_size: int, pos: RankPosition, layers: RegionLayers) -> RegionLayout:
+def kv_region(
+    kv: KVSpec,
+    page_size: int,
+    pos: RankPosition,
+    layers: RegionLayers,
+    name: RegionName = RegionName.KV,
+) -> RegionLayout:
     """The ``kv`` region: ``[L, 2, T, H, D]`` rows (K and V; ``[L, 1, T, H, D]`` keys only,
-    e.g. an MLA latent), see docs/DESIGN.md section 4."""
+    e.g. an MLA latent), see docs/DESIGN.md section 4. ``name`` ``kv_window``: the same
+    region for the sliding-window layers (only ``layers`` differ)."""
     pp, _, tp = pos.shape
     t = pos.coords[2]
     h_local = local_kv_heads(kv, tp)
@@ -160,7 +185,7 @@ def kv_region(kv: KVSpec, page_size: int, pos: RankPosition, layers: RegionLayer
         tp_place = Shard(4)
         h_global, heads, first_tp = tp, (t // group, t // group + 1), t % group == 0
     return RegionLayout(
-        name=RegionName.KV,
+        name=name,
         family=Family.KV,
         dtype=kv.dtype,
         placements=(Shard(1), _cp_placement(pos.cp_sharded, 3), tp_place),

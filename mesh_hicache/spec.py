@@ -28,7 +28,9 @@ Three families:
 - windowed KV (optional, ``StateSpec.windows``): groups of KV layers with a sliding window
   (and optional sink tokens), one :class:`WindowSpec` per group. A resume at a prefix
   boundary needs their K/V of only the last ``window - 1`` tokens and the sinks
-  (:mod:`mesh_hicache.window` holds the rules). Their K/V shapes are the KV family's.
+  (:mod:`mesh_hicache.radix.window` holds the rules). Their K/V shapes are the KV
+  family's; they are kept in their own region, ``kv_window``
+  (:attr:`StateSpec.window_layer_ids`).
 
 Layer ids are global model layer indices; the ids of all families together are exactly
 ``range(num_layers)`` (a hybrid model: some layers attention, the others SSM). A layer
@@ -390,6 +392,19 @@ class StateSpec:
             if layer_id in group.layer_ids:
                 return group
         return None
+
+    @property
+    def window_layer_ids(self) -> tuple[int, ...]:
+        """The sliding-window KV layers of every group, increasing (empty without windows)."""
+        return tuple(sorted(i for group in self.windows for i in group.layer_ids))
+
+    @property
+    def full_kv_layer_ids(self) -> tuple[int, ...]:
+        """The full-attention KV layers: ``kv.layer_ids`` without the windowed ones."""
+        if self.kv is None:
+            return ()
+        windowed = set(self.window_layer_ids)
+        return tuple(i for i in self.kv.layer_ids if i not in windowed)
 
     @property
     def families(self) -> tuple[Family, ...]:

@@ -2,7 +2,9 @@
 
 Per attention layer ``k(layer_id)`` and ``v(layer_id)`` are ``[num_pages, T, H, D]`` and
 ``indexer(layer_id)`` is ``[num_pages, T, E]`` (T = tokens of a page held by this rank:
-``page_size / cp`` under ``cp_kv="shard"``, else ``page_size``; H = this rank's KV heads).
+``page_size / cp`` under ``cp_kv="shard"``, else ``page_size``; H = this rank's KV heads);
+the sliding-window layers' K/V (``StateSpec.windows``) live in their own tensor, like the
+host pool's ``kv_window`` region.
 Per SSM layer ``conv(layer_id)`` is ``[num_slots, C, K]`` and ``ssm(layer_id)`` is
 ``[num_slots, H_ssm, D_ssm, N]``. Page and slot indices come from ``page_allocator`` and
 ``slot_allocator``; the pools never allocate by themselves.
@@ -54,7 +56,8 @@ class DevicePools:
         self.page_allocator: PageAllocator | ArenaIds
         self.slot_allocator: PageAllocator | ArenaIds
         self._index: dict[Family, dict[int, int]] = {}
-        self._kv = self._indexer = self._conv = self._ssm = torch.empty(0)
+        self._kv = self._kv_window = self._indexer = self._conv = self._ssm = torch.empty(0)
+        self._window_ids = frozenset(spec.window_layer_ids)
         if arena is not None:
             if num_pages or num_slots:
                 raise ValueError(
@@ -68,17 +71,16 @@ class DevicePools:
         self.slot_allocator = PageAllocator(num_slots)
         t = layout.page_size_local
         if spec.kv is not None:
-            ids = self._register(Family.KV, layout)
-            parts = spec.kv.num_parts  # 1: keys only (MLA latent), no V allocated
-            shape = (len(ids), parts, num_pages, t, layout.local_kv_heads, spec.kv.head_dim)
-            self._kv = torch.zeros(shape, dtype=spec.kv.dtype, device=self.device)
+            self._kv = self._kv_pool(RegionName.KV, num_pages)
+            if spec.windows:
+                self._kv_window = self._kv_pool(RegionName.KV_WINDOW, num_pages)
         if spec.indexer is not None:
-            ids = self._register(Family.INDEXER, layout)
+            ids = self._register(Family.INDEXER, layout.family_layers(Family.INDEXER))
             shape2 = (len(ids), num_pages, t, spec.indexer.key_dim)
             self._indexer = torch.zeros(shape2, dtype=spec.indexer.dtype, device=self.device)
         if spec.mamba is not None:
             m = spec.mamba
-            ids = self._register(Family.MAMBA, layout)
+            ids = self._register(Family.MAMBA, layout.family_layers(Family.MAMBA))
             conv = (len(ids), num_slots, layout.local_conv_dim, m.conv_kernel - 1)
             ssm = (len(ids), num_slots, layout.local_ssm_heads, m.head_dim, m.state_dim)
             self._conv = torch.zeros(conv, dtype=m.conv_dtype, device=self.device)
@@ -95,21 +97,36 @@ class DevicePools:
         for region in layout.regions:
             view = plan.region_view(buffer, layout, region)  # [N, L, ...]
             # Like the fixed pools: [L, 2, N, T, H, D] for kv, [L, N, ...] otherwise.
-            views[region.name] = view.movedim(0, 2 if region.name is RegionName.KV else 1)
-            self._index.setdefault(
-                region.family, {layer: i for i, layer in enumerate(region.local_layer_ids)}
-            )
+            views[region.name] = view.movedim(0, 2 if region.family is Family.KV else 1)
+            self._register(region.family, region.local_layer_ids)
         empty = torch.empty(0, device=self.device)
         self._kv = views.get(RegionName.KV, empty)
+        self._kv_window = views.get(RegionName.KV_WINDOW, empty)
         self._indexer = views.get(RegionName.INDEXER, empty)
         self._conv = views.get(RegionName.MAMBA_CONV, empty)
         self._ssm = views.get(RegionName.MAMBA_SSM, empty)
         self._buffer = buffer
 
-    def _register(self, family: Family, layout: StateLayout) -> tuple[int, ...]:
-        ids = layout.family_layers(family)
-        self._index[family] = {layer: i for i, layer in enumerate(ids)}
+    def _register(self, family: Family, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Index ``ids`` (rows 0, 1, ... of one tensor) under ``family``. The kv and
+        kv_window tensors share the KV index, the Mamba conv and ssm ones their rows."""
+        self._index.setdefault(family, {}).update((layer, i) for i, layer in enumerate(ids))
         return ids
+
+    def _kv_pool(self, name: RegionName, num_pages: int) -> torch.Tensor:
+        """The zeroed ``[L, parts, num_pages, T, H, D]`` K/V tensor of region ``name``'s
+        layers here (parts 1: keys only, e.g. an MLA latent; no V allocated)."""
+        layout, kv = self.layout, self.layout.spec.kv
+        assert kv is not None
+        ids = self._register(Family.KV, layout.region_layers(name))
+        t, h = layout.page_size_local, layout.local_kv_heads
+        shape = (len(ids), kv.num_parts, num_pages, t, h, kv.head_dim)
+        return torch.zeros(shape, dtype=kv.dtype, device=self.device)
+
+    def _kv_of(self, layer_id: int) -> tuple[torch.Tensor, int]:
+        """The K/V tensor holding ``layer_id`` (windowed or full) and the layer's row in it."""
+        row = self._row(Family.KV, layer_id)
+        return (self._kv_window if layer_id in self._window_ids else self._kv), row
 
     def _row(self, family: Family, layer_id: int) -> int:
         try:
@@ -122,19 +139,20 @@ class DevicePools:
 
     def layers(self, family: Family) -> tuple[int, ...]:
         """Global layer ids of ``family`` held here, increasing (empty if none)."""
-        return tuple(self._index.get(family, {}))
+        return tuple(sorted(self._index.get(family, {})))
 
     def k(self, layer_id: int) -> torch.Tensor:
         """K pages of ``layer_id``: ``[num_pages, T, H, D]`` (a view; writes go to the pool)."""
-        return self._kv[self._row(Family.KV, layer_id), 0]
+        kv, row = self._kv_of(layer_id)
+        return kv[row, 0]
 
     def v(self, layer_id: int) -> torch.Tensor:
         """V pages of ``layer_id``: ``[num_pages, T, H, D]``; ``ValueError`` for a keys-only
         spec (``KVSpec.values=False``)."""
-        row = self._row(Family.KV, layer_id)
-        if self._kv.shape[1] < 2:
+        kv, row = self._kv_of(layer_id)
+        if kv.shape[1] < 2:
             raise ValueError(f"layer {layer_id} has no V: the KV spec is keys only (values=False)")
-        return self._kv[row, 1]
+        return kv[row, 1]
 
     def indexer(self, layer_id: int) -> torch.Tensor:
         """Indexer keys of ``layer_id``: ``[num_pages, T, E]``."""
@@ -165,7 +183,7 @@ class DevicePools:
     def nbytes(self) -> int:
         if self.arena is not None:
             return self.arena.plan.nbytes
-        bufs = (self._kv, self._indexer, self._conv, self._ssm)
+        bufs = (self._kv, self._kv_window, self._indexer, self._conv, self._ssm)
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def __repr__(self) -> str:

@@ -9,7 +9,7 @@ local start)`` pieces in local order:
 =============  ==============================================================
 dim            global coordinate
 =============  ==============================================================
-L (layers)     index in the family's layer id list (padding rows map to none)
+L (layers)     index in the region's layer id list (padding rows map to none)
 T (tokens)     token in page (cp_kv="shard" keeps a contiguous range)
 H (heads)      KV head / SSM head (duplicated KV heads map to the same head)
 C (conv)       channel of the tp=1 conv state, group-major: per group the x of
@@ -36,7 +36,8 @@ import torch
 
 from mesh_hicache.choices import CpKvMode, RegionName
 from mesh_hicache.layout import GlobalSlice, RegionLayout, StateLayout, all_layouts, ssm_group_range
-from mesh_hicache.spec import Family, MambaSpec, StateSpec
+from mesh_hicache.regions import region_layer_ids
+from mesh_hicache.spec import Family, MambaSpec
 from mesh_hicache.storage.objects import chunk_bytes_for, chunk_spans
 
 DimMap = tuple[tuple[int, int, int], ...]
@@ -135,14 +136,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _family_ids(spec: StateSpec, family: Family) -> tuple[int, ...]:
-    if family is Family.KV:
-        return spec.kv.layer_ids if spec.kv is not None else ()
-    if family is Family.MAMBA:
-        return spec.mamba.layer_ids if spec.mamba is not None else ()
-    return spec.indexer.layer_ids if spec.indexer is not None else ()
-
-
 def conv_channel_ranges(
     mamba: MambaSpec, heads: tuple[int, int], groups: tuple[int, int]
 ) -> list[tuple[int, int]]:
@@ -180,11 +173,11 @@ def _as_map(ranges: list[tuple[int, int]]) -> DimMap:
 def row_maps(layout: StateLayout, region: RegionLayout) -> tuple[DimMap, ...]:
     """The global coordinates of every dim of ``region``'s local row on ``layout``'s rank.
 
-    Empty when the rank's stage holds none of the family's layers."""
+    Empty when the rank's stage holds none of the region's layers."""
     if not region.local_layer_ids:
         return ()
     spec = layout.spec
-    ids = _family_ids(spec, region.family)
+    ids = region_layer_ids(spec, region.name)
     first = ids.index(region.local_layer_ids[0])
     layers = _as_map([(first, first + len(region.local_layer_ids))])
     sl = region.global_slice
@@ -193,7 +186,7 @@ def row_maps(layout: StateLayout, region: RegionLayout) -> tuple[DimMap, ...]:
     def whole(d: int) -> DimMap:
         return ((0, shape[d], 0),)
 
-    if region.name is RegionName.KV:
+    if region.family is Family.KV:  # kv and kv_window
         return (layers, whole(1), _as_map([sl.tokens]), _as_map([sl.heads]), whole(4))
     if region.name is RegionName.INDEXER:
         return (layers, _as_map([sl.tokens]), whole(2))

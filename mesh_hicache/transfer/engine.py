@@ -3,7 +3,7 @@
 An operation copies a set of pages and Mamba slots between this rank's L1 device pools
 and L2 host pools: ``backup`` device -> host, ``load`` host -> device. ``kv_pages`` is a
 pair ``(device_pages, host_pages)`` of equal-length index lists; page ``device_pages[i]``
-corresponds to ``host_pages[i]`` in every paged region (``kv`` and ``indexer``).
+corresponds to ``host_pages[i]`` in every paged region (``kv``, ``kv_window``, ``indexer``).
 ``mamba_slots`` is a pair ``(device_slots, host_slots)`` for ``mamba_conv`` and
 ``mamba_ssm``. Bad indices (unequal lengths, out of range) raise ``ValueError`` at
 submission, before anything is queued.

@@ -100,7 +100,9 @@ def build_segments(
         # parts: each family's segments come from its own region.
         families = spec.layer_families(layer)
         if Family.KV in families:
-            kv = host.local(RegionName.KV)[:, host.region(RegionName.KV).layer_row(layer)]
+            # Full-attention and sliding-window layers live in their own regions.
+            name = RegionName.KV_WINDOW if spec.layer_window(layer) else RegionName.KV
+            kv = host.local(name)[:, host.region(name).layer_row(layer)]
             out.append(_segment(pos, "k", True, dev.k(layer), kv[:, 0]))
             if spec.kv is not None and spec.kv.values:  # keys-only (MLA latent): no V
                 out.append(_segment(pos, "v", True, dev.v(layer), kv[:, 1]))

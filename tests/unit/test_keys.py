@@ -151,4 +151,4 @@ def test_tensor_bytes_is_a_writable_view_for_any_dtype():
     assert t[0, 0].item() == 1.5
     with pytest.raises(ValueError):
         tensor_bytes(torch.zeros(4, 4).t())
-    assert set(REGIONS) == {"kv", "indexer", "mamba_conv", "mamba_ssm"}
+    assert set(REGIONS) == {"kv", "kv_window", "indexer", "mamba_conv", "mamba_ssm"}
