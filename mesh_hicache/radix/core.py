@@ -10,6 +10,7 @@ of it. Every mutation here keeps:
   parent is a sentinel);
 - a Mamba state belongs to the node's last token; on a split it stays with the deeper part;
 - ``lock_ref`` / ``host_ref`` count protections of the whole path to the root;
+- ``window_missing`` offsets lie inside the node and follow its pages on a split;
 - a node is in an eviction queue exactly when it is a candidate for that target.
 
 Positions inside packed data are byte offsets (8 bytes per token); ``self._page_bytes`` is
@@ -19,12 +20,13 @@ the bytes of one page.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from mesh_hicache.radix.eviction import EvictionPolicy, LRUPolicy
 from mesh_hicache.radix.hashing import TOKEN_BYTES, RadixKey
-from mesh_hicache.radix.node import EvictResult, Family, Tier, TreeNode
+from mesh_hicache.radix.node import NO_PAGES, EvictResult, Family, Tier, TreeNode
 from mesh_hicache.radix.queues import EvictionQueues
+from mesh_hicache.spec import WindowSpec
 
 #: (tier, family) -> (node attribute, tree total).
 _FIELDS = {
@@ -52,6 +54,11 @@ class Freed:
         )
 
 
+def page_set(pages: Iterable[int]) -> frozenset[int]:
+    """``pages`` as a frozenset (the shared ``NO_PAGES`` when empty)."""
+    return frozenset(pages) or NO_PAGES
+
+
 def common_bytes(
     data: bytes, pos: int, other: bytes, page_bytes: int, stop: int | None = None
 ) -> int:
@@ -76,7 +83,12 @@ class TreeCore:
     """Nodes, totals and queues of a radix tree, and its invariant-keeping mutations."""
 
     def __init__(
-        self, page_size: int, has_mamba: bool, policy: EvictionPolicy | None = None
+        self,
+        page_size: int,
+        has_mamba: bool,
+        policy: EvictionPolicy | None = None,
+        *,
+        windows: Sequence[WindowSpec] = (),
     ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -84,8 +96,13 @@ class TreeCore:
             raise TypeError(f"has_mamba must be a bool, got {has_mamba!r}")
         if policy is not None and not isinstance(policy, EvictionPolicy):
             raise TypeError(f"policy must be an EvictionPolicy or None, got {policy!r}")
+        windows = tuple(windows)
+        if not all(isinstance(g, WindowSpec) for g in windows):
+            raise TypeError(f"windows must be WindowSpec groups, got {windows!r}")
         self.page_size = page_size
         self.has_mamba = has_mamba
+        #: Sliding-window layer groups; with none, ``window_missing`` stays empty.
+        self.windows = windows
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
         #: Logical clock: advanced once per match/insert; stamps ``last_access``.
         self.clock = 0
@@ -123,6 +140,17 @@ class TreeCore:
             raise ValueError(
                 f"{name} must hold {num_pages} pages (one per whole page), got {len(out)}"
             )
+        return out
+
+    def _check_missing(self, pages: Iterable[int], first: int, num_pages: int) -> frozenset[int]:
+        """``window_missing`` of an insert: page indices of the key in ``[first, num_pages)``
+        (the pages given), only in a tree with ``windows``."""
+        out = page_set(map(operator.index, pages))
+        if out and not self.windows:
+            raise ValueError("window_missing given to a RadixTree built without windows")
+        bad = sorted(p for p in out if not first <= p < num_pages)
+        if bad:
+            raise ValueError(f"window_missing pages must lie in [{first}, {num_pages}), got {bad}")
         return out
 
     def cached_device_pages(self, key: RadixKey) -> tuple[int, ...]:
@@ -198,7 +226,8 @@ class TreeCore:
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` bytes; returns the new upper node. The Mamba state
-        stays with ``child`` (the deeper part), protections and stats are copied up."""
+        stays with ``child`` (the deeper part), protections and stats are copied up,
+        ``window_missing`` is divided between the parts."""
         pb = self._page_bytes
         j = m // pb
         parent = child.parent
@@ -213,6 +242,10 @@ class TreeCore:
             child.host_indices = child.host_indices[j:]
         if child._hashes is not None:
             upper._hashes, child._hashes = child._hashes[:j], child._hashes[j:]
+        missing = child.window_missing
+        if missing:
+            upper.window_missing = page_set(p for p in missing if p < j)
+            child.window_missing = page_set(p - j for p in missing if p >= j)
         upper.lock_ref = child.lock_ref
         upper.host_ref = child.host_ref
         upper.hit_count = child.hit_count
@@ -225,6 +258,14 @@ class TreeCore:
         self._queues.update(upper)
         self._queues.update(child)
         return upper
+
+    @staticmethod
+    def _add_missing(node: TreeNode, missing: frozenset[int], lo: int, hi: int) -> None:
+        """Union into ``node.window_missing`` the pages ``missing`` of a key whose pages
+        ``[lo, hi)`` the node holds (a copy of them was just attached)."""
+        inside = [p - lo for p in missing if lo <= p < hi]
+        if inside:
+            node.window_missing = node.window_missing.union(inside)
 
     # -------------------------------------------------------- tier transitions
 

@@ -44,6 +44,8 @@ def digest(tree: TreeCore) -> str:
                         f"{node.last_access}\n"
                     ).encode()
                 )
+                if node.window_missing:
+                    h.update(f"gaps={sorted(node.window_missing)}\n".encode())
             for k in sorted(node.children, reverse=True):
                 stack.append((node.children[k], depth + 1))
     return h.hexdigest()
@@ -76,6 +78,10 @@ def _check_node(tree: TreeCore, node: TreeNode, parent: TreeNode, key: bytes, ns
         _fail(f"{node!r} is protected more than its parent {parent!r}")
     if not tree.has_mamba and node.has_mamba_state:
         _fail(f"{node!r} holds a Mamba state in a tree without Mamba")
+    if node.window_missing and not tree.windows:
+        _fail(f"{node!r} lacks windowed pages in a tree without windows")
+    if any(not 0 <= p < node.num_pages for p in node.window_missing):
+        _fail(f"{node!r} lacks windowed pages {sorted(node.window_missing)} outside its pages")
     for problem in tree._queues.problems(node):
         _fail(f"{node!r}: {problem}")
     if node.hashes_known:

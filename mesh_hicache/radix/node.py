@@ -19,6 +19,9 @@ from typing import Any
 
 from mesh_hicache.radix.hashing import packed_page_hashes, unpack_tokens
 
+NO_PAGES: frozenset[int] = frozenset()
+"""The empty page set, shared by every node and result without windowed-KV gaps."""
+
 
 class Tier(str, enum.Enum):
     """Where a copy lives: device memory (L1) or host memory (L2)."""
@@ -67,6 +70,7 @@ class TreeNode:
         "_prefix_len",
         "anchor_len",
         "state_access",
+        "window_missing",
     )
 
     def __init__(
@@ -108,11 +112,15 @@ class TreeNode:
         """The node's entry in each eviction queue (``queues.EvictionQueues``), or None."""
         self._prefix_len: int | None = 0 if is_sentinel else None
         self.anchor_len = 0
+        """Snapshot for value-aware policies: ``prefix_len`` of the nearest ancestor that
+        could serve instead (``eviction.NodeStats.anchor_len``), refreshed by the queues."""
         self.state_access = 0
         """Logical clock value of the last match that resumed from this node's state (or
         of the insert that gave it one): how recently the state itself was used."""
-        """Snapshot for value-aware policies: ``prefix_len`` of the nearest ancestor that
-        could serve instead (``eviction.NodeStats.anchor_len``), refreshed by the queues."""
+        self.window_missing = NO_PAGES
+        """Page offsets inside the node (0 = its first page) whose windowed K/V (the
+        tree's ``windows`` groups) is absent from a tier copy: the union over the node's
+        copies, so a load from either tier is safe. Empty for almost every node."""
 
     @property
     def num_tokens(self) -> int:
@@ -222,12 +230,15 @@ class MatchResult:
     usable_len: int
     """``device_len + host_len``: tokens the caller may reuse."""
     raw_kv_len: int
-    """Page-aligned KV match length before the Mamba rule cut it back."""
+    """Page-aligned KV match length before the Mamba and window rules cut it back."""
     mamba_on_device: int | None
     """Device slot of the Mamba state at ``last_node`` (None if none, or no Mamba)."""
     mamba_on_host: int | None
     nodes: tuple[TreeNode, ...]
     """Non-sentinel nodes from the root to ``last_node``, top-down."""
+    window_missing: frozenset[int] = NO_PAGES
+    """Page indices of the usable prefix (0 = its first page) whose windowed K/V is
+    absent (``TreeNode.window_missing`` of ``nodes``); empty normally."""
 
 
 @dataclass(frozen=True, slots=True)

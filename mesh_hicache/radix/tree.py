@@ -7,7 +7,10 @@ bytes of their first page. The invariants are listed in core.py; ``check_integri
 
 Hit rule: with ``has_mamba`` the usable prefix of a match ends at the deepest node on the
 KV path that holds a Mamba state on some tier (length 0, the zero state, when none does).
-Without Mamba the usable prefix is the whole page-aligned KV match.
+Without Mamba the usable prefix is the whole page-aligned KV match. With sliding-window
+groups (``windows``) and pages whose windowed K/V is absent (``TreeNode.window_missing``),
+the usable prefix ends where those rules allow and every windowed page a resume needs is
+present (window.py).
 
 Determinism: the tree never reads the wall clock, never uses ``hash()`` or set order for
 decisions. Accesses advance a logical clock; eviction order comes from the policy with the
@@ -15,21 +18,24 @@ node creation id as tie-breaker. Trees fed the same calls reach the same ``diges
 
 Cost: match and insert do one dict lookup and one bytes comparison per node of the path
 (plus a binary search over pages where a key ends or diverges inside a node) and never
-hash a page. Touching a node stores its clock value; eviction takes the first entry of
-sorted queues that hold only live candidates (queues.py): a few C bisects per victim,
-never O(tree).
+hash a page; a tree with ``windows`` adds one scan of the matched path, and the window
+rule's few set tests per boundary only where the path lacks windowed pages. Touching a
+node stores its clock value; eviction takes the first entry of sorted queues that hold
+only live candidates (queues.py): a few C bisects per victim, never O(tree).
 """
 
 from __future__ import annotations
 
+import bisect
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from mesh_hicache.radix import integrity
 from mesh_hicache.radix.core import Freed, TreeCore, common_bytes
 from mesh_hicache.radix.eviction import EvictTarget
 from mesh_hicache.radix.hashing import RadixKey, unpack_tokens
 from mesh_hicache.radix.node import (
+    NO_PAGES,
     EvictResult,
     Family,
     InsertResult,
@@ -38,6 +44,7 @@ from mesh_hicache.radix.node import (
     Tier,
     TreeNode,
 )
+from mesh_hicache.radix.window import deepest_window_end
 
 
 class RadixTree(TreeCore):
@@ -45,8 +52,10 @@ class RadixTree(TreeCore):
 
     ``page_size``: tokens per page. ``has_mamba``: whether the model has Mamba layers
     (enables the hit rule and tombstones; without it, Mamba slot arguments are errors).
-    ``policy``: eviction ranking (LRU by default). All indices are plain ints owned by the
-    caller's allocators; the tree never allocates, it only records and returns them.
+    ``policy``: eviction ranking (LRU by default). ``windows``: the model's sliding-window
+    layer groups (enables ``window_missing`` and the window rule). All indices are plain
+    ints owned by the caller's allocators; the tree never allocates, it only records and
+    returns them.
     Not thread-safe: one thread (the scheduler) drives it.
     """
 
@@ -60,6 +69,12 @@ class RadixTree(TreeCore):
         Mamba, a node is split where the match ends inside it (splits keep every tier
         consistent). With Mamba no split is needed: a usable prefix always ends at a
         node's end. A miss returns lengths 0 and a sentinel ``last_node``.
+
+        Window rule (a tree with ``windows`` whose path has nodes with ``window_missing``):
+        the usable prefix ends at the deepest boundary that would be usable without the
+        rule (where the KV match ends, without Mamba, or a node end) at which every
+        windowed page a resume needs is present (``window.resumable``); a node is split
+        only where that boundary lies inside it.
         """
         end = self._key_end(key)
         root = self._roots.get(key.namespace)
@@ -67,6 +82,10 @@ class RadixTree(TreeCore):
             return MatchResult((), (), self._miss_root, 0, 0, 0, 0, None, None, ())
         path, pos, partial = self._walk(root, key.data, end)
         raw_kv_len = (pos + (partial[1] if partial is not None else 0)) >> 3
+        cut = self._window_cut(path, pos, partial) if self.windows else None
+        missing = NO_PAGES
+        if cut is not None:
+            partial, num_usable, missing = cut
         if partial is not None and not self.has_mamba:
             path.append(self._split(partial[0], partial[1]))
         if touch:
@@ -81,7 +100,9 @@ class RadixTree(TreeCore):
                 for node in path:
                     self._queues.update(node)
         usable = path
-        if self.has_mamba:
+        if cut is not None:
+            usable = path[:num_usable]
+        elif self.has_mamba:
             end = len(path)
             while end > 0 and not path[end - 1].has_mamba_state:
                 end -= 1
@@ -111,7 +132,49 @@ class RadixTree(TreeCore):
             mamba_on_device=last.mamba_device_slot,
             mamba_on_host=last.mamba_host_slot,
             nodes=tuple(usable),
+            window_missing=missing,
         )
+
+    def _window_cut(
+        self, path: list[TreeNode], pos: int, partial: tuple[TreeNode, int] | None
+    ) -> tuple[tuple[TreeNode, int] | None, int, frozenset[int]] | None:
+        """The window rule on a walk (``_walk``'s result): the partial match to split at
+        (None: no split), how many nodes of the path (the split part included) are
+        usable, and the absent windowed pages before that end. None, after one scan of
+        the path, when no node the usable prefix may reach lacks windowed pages."""
+        tail = partial[0] if partial is not None and not self.has_mamba else None
+        if not any(n.window_missing for n in path) and not (
+            tail is not None and tail.window_missing
+        ):
+            return None
+        pb = self._page_bytes
+        nodes = list(path)
+        starts: list[int] = []
+        ends: list[int] = []
+        candidates: list[int] = []  # the ends the other rules allow, shallowest first
+        at = 0
+        for node in path:
+            starts.append(at // pb)
+            at += len(node.data)
+            ends.append(at >> 3)
+            if not self.has_mamba or node.has_mamba_state:
+                candidates.append(at >> 3)
+        if tail is not None:
+            assert partial is not None
+            nodes.append(tail)
+            starts.append(pos // pb)
+            candidates.append((pos + partial[1]) >> 3)
+        b, missing = deepest_window_end(
+            starts,
+            [n.window_missing for n in nodes],
+            reversed(candidates),
+            self.page_size,
+            self.windows,
+        )
+        if b << 3 > pos:  # inside the partial match: split there
+            assert tail is not None
+            return (tail, (b << 3) - pos), len(path) + 1, missing
+        return None, bisect.bisect_right(ends, b), missing
 
     def insert(
         self,
@@ -121,6 +184,7 @@ class RadixTree(TreeCore):
         mamba_device_slot: int | None = None,
         mamba_host_slot: int | None = None,
         host_first_page: int = 0,
+        window_missing: Iterable[int] = (),
     ) -> InsertResult:
         """Insert ``key`` (truncated to whole pages) with its pages on device and/or host.
 
@@ -136,6 +200,10 @@ class RadixTree(TreeCore):
         ``host_first_page ..`` of the key, and ``device_indices`` must be None. The pages
         before it must already be in the tree; if they are not (evicted meanwhile), nothing
         is taken: every host index and slot comes back unused.
+
+        ``window_missing`` (a tree with ``windows``): page indices of the key (0 = its first
+        page, each among the pages given) whose windowed K/V the given copies lack. Each
+        node that takes a copy adds those of its pages to ``TreeNode.window_missing``.
         """
         n = self._key_end(key)
         pb = self._page_bytes
@@ -148,6 +216,7 @@ class RadixTree(TreeCore):
         if first and device_indices is not None:
             raise ValueError("host_first_page > 0 is only for host-only inserts")
         hst = self._check_indices("host_indices", host_indices, num_pages - first)
+        miss = self._check_missing(window_missing, first, num_pages)
         if dev is None and hst is None:
             raise ValueError("insert needs device_indices or host_indices, got neither")
         if not self.has_mamba and (mamba_device_slot is not None or mamba_host_slot is not None):
@@ -159,6 +228,9 @@ class RadixTree(TreeCore):
         self.clock += 1
         node = self._roots.get(key.namespace)
         if node is None:
+            if first:  # no prefix to hang the given host pages below: nothing is taken
+                assert hst is not None
+                return InsertResult(0, self._miss_root, (), hst, False, False)
             node = self._new_node(key.namespace, None, b"", sentinel=True)
             self._roots[key.namespace] = node
         unused_dev: list[int] = []
@@ -183,11 +255,13 @@ class RadixTree(TreeCore):
                     unused_dev.extend(dev[lo:hi])
                 else:
                     self._attach(child, Tier.DEVICE, Family.KV, dev[lo:hi])
+                    self._add_missing(child, miss, lo, hi)
             if hst is not None and lo >= first:
                 if child.host_indices is not None:
                     unused_host.extend(hst[lo - first : hi - first])
                 else:
                     self._attach(child, Tier.HOST, Family.KV, hst[lo - first : hi - first])
+                    self._add_missing(child, miss, lo, hi)
             self._touch(child, hit=False)
             node = child
             pos += m
@@ -204,6 +278,7 @@ class RadixTree(TreeCore):
                 self._attach(new, Tier.DEVICE, Family.KV, dev[num_existing:])
             if hst is not None:
                 self._attach(new, Tier.HOST, Family.KV, hst[num_existing - first :])
+            self._add_missing(new, miss, num_existing, num_pages)
             self._queues.update(node)
             node = new
         dev_taken = host_taken = False
@@ -404,9 +479,10 @@ class RadixTree(TreeCore):
         """Verify every invariant; raise RuntimeError naming the first violation.
 
         Checks structure (child keys, parent links, page counts, chained hashes where
-        computed, one KV copy at least, device prefix-closure), protections (counts >= 0,
-        parent >= child), that every page/slot is referenced by exactly one node, cached
-        totals, and that the eviction queues hold exactly the candidates, in order.
+        computed, one KV copy at least, device prefix-closure, ``window_missing`` inside
+        the node), protections (counts >= 0, parent >= child), that every page/slot is
+        referenced by exactly one node, cached totals, and that the eviction queues hold
+        exactly the candidates, in order.
         For each pool given, also that tree-owned + free + held indices are exactly
         ``range(capacity)``, disjointly. Read-only; O(tree tokens); for tests and debugging.
         """

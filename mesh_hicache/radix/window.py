@@ -17,6 +17,8 @@ groups (nothing here knows a model):
 - :func:`resumable` / :func:`deepest_resumable`: a hit at ``b`` is allowed only where
   every group's needed pages are present (the full-attention KV and any recurrent state
   are checked by the tree as before); on a matched path, the deepest such boundary;
+  :func:`deepest_window_end` is the same rule over a path's per-node missing pages
+  (``TreeNode.window_missing``), as ``RadixTree.match_prefix`` applies it;
 - :func:`tree_window_pages` / :func:`held_bytes`: over a tree, the pages each node keeps
   for the boundaries below and at it, and the bytes that holds compared with treating the
   windowed layers as full attention.
@@ -24,10 +26,10 @@ groups (nothing here knows a model):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence, Set
 from dataclasses import dataclass
 
-from mesh_hicache.radix.node import TreeNode
+from mesh_hicache.radix.node import NO_PAGES, TreeNode
 from mesh_hicache.spec import StateSpec, WindowSpec
 
 
@@ -88,6 +90,39 @@ def deepest_resumable(
     :func:`resumable` holds; 0 (recompute from the start) when none does."""
     ok = [b for b in boundaries if resumable(b, present, page_size, groups)]
     return max(ok, default=0)
+
+
+class _AllBut:
+    """Every page index except ``missing`` (a ``Container`` for :func:`resumable`)."""
+
+    __slots__ = ("missing",)
+
+    def __init__(self, missing: Set[int]) -> None:
+        self.missing = missing
+
+    def __contains__(self, page: object) -> bool:
+        return page not in self.missing
+
+
+def deepest_window_end(
+    starts: Sequence[int],
+    missing: Sequence[Set[int]],
+    candidates: Iterable[int],
+    page_size: int,
+    groups: Sequence[WindowSpec],
+) -> tuple[int, frozenset[int]]:
+    """On a matched path whose ``i``-th node starts at page ``starts[i]`` and lacks the
+    windowed K/V of its page offsets ``missing[i]`` (every other page held): the first of
+    ``candidates`` (boundaries in tokens, deepest first, none past the path) at which
+    :func:`resumable` holds, and the path's missing pages before it (absolute indices).
+    ``(0, empty)`` when none does."""
+    gaps = frozenset(s + p for s, m in zip(starts, missing, strict=True) for p in m)
+    present = _AllBut(gaps)
+    for b in candidates:
+        if resumable(b, present, page_size, groups):
+            pages = -(-b // page_size)
+            return b, frozenset(p for p in gaps if p < pages) or NO_PAGES
+    return 0, NO_PAGES
 
 
 def _default_boundary(node: TreeNode) -> bool:
