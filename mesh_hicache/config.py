@@ -29,6 +29,7 @@ _COUNTS = (
     "host_mamba_slots",
     "host_bytes",
     "block_bytes",
+    "window_checkpoint_tokens",
 )
 
 #: The choice fields and their enums; a plain string is accepted and stored as the member.
@@ -102,6 +103,12 @@ class HiCacheConfig:
     another). It namespaces the tree (L1/L2: tenants never share a node) and every page
     hash, and is part of every storage key (L3): tenants never read each other's entries.
     Any string without the reserved character ``"\x1f"``."""
+    window_checkpoint_tokens: int = 2048
+    """Sliding-window models: L3 stores a windowed layer's K/V page only where a resume
+    needs it, i.e. within the window before each written node's end and before every
+    multiple of this many tokens. An L3 hit can then end up to this many tokens before the
+    full-attention match (at a boundary whose window was not stored). 0 stores every page.
+    A multiple of the page size (checked when the cache is built)."""
     layout_version: int = 1
     """Bumped whenever the stored byte layout changes; part of every storage key."""
     eviction_policy: EvictionPolicyKind | str | EvictionPolicy = EvictionPolicyKind.LRU

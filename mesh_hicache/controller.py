@@ -63,6 +63,7 @@ from mesh_hicache.tiers import (
     ServedTokens,
     StorageTier,
     TierAllocator,
+    WindowRule,
 )
 from mesh_hicache.topology import MeshTopology
 from mesh_hicache.transfer import TransferEngine, make_transfer_engine
@@ -112,7 +113,7 @@ class HiCacheController:
             self.engine = make_transfer_engine(self.device, self.host, str(config.transfer))
         cost = config.cost_model or CostModel.from_spec(spec)
         evict_policy = make_policy(config.eviction_policy, cost)
-        self.tree = RadixTree(spec.page_size, spec.has_mamba, evict_policy)
+        self.tree = RadixTree(spec.page_size, spec.has_mamba, evict_policy, windows=spec.windows)
         policy = PrefetchPolicy(config.prefetch_policy)
         self.stats = CacheStats(prefetch_policy=policy)
         self.namespace = KeyNamespace(
@@ -129,6 +130,9 @@ class HiCacheController:
         )
         self.alloc = TierAllocator(self.device, self.host, self.tree, self.agree, self.stats, hooks)
         self.l3: StorageTier | None = None
+        window = None
+        if spec.windows:  # also checks window_checkpoint_tokens against the page size
+            window = WindowRule(spec.windows, spec.page_size, config.window_checkpoint_tokens)
         if config.storage != StorageKind.NONE:
             assert self.host is not None
             rules = PrefetchRules(
@@ -147,6 +151,7 @@ class HiCacheController:
                 self.agree,
                 self.stats,
                 rules,
+                window,
             )
         self.backups = BackupQueue(
             WritePolicy(config.write_policy),

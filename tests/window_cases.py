@@ -2,7 +2,7 @@
 
 Cases: ``gpt_oss`` (alternating sliding / full layers with a window of ``WINDOWS["gpt_oss"]``
 tokens, attention sinks, q/k/v/o biases, YaRN RoPE, a top-2 MoE of 4 clamped SwiGLU experts
-with a router bias) and ``gemma3`` (two sliding layers then a full one, window
+with a router bias) and ``gemma3`` (three sliding layers then a full one, window
 ``WINDOWS["gemma3"]``, its (1 + w) RMSNorms, q/k norms, sandwich norms, embedding scale,
 ``query_pre_attn_scalar``, a local RoPE base and a linearly scaled global RoPE, GeGLU).
 The windows are tiny so that test prompts cross them many times: 8 divides the engine
@@ -56,9 +56,9 @@ def _config(case: str):
     return transformers.Gemma3TextConfig(
         **common,
         head_dim=8,
-        num_hidden_layers=3,
+        num_hidden_layers=4,
         sliding_window=WINDOWS[case],
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
         intermediate_size=48,
         query_pre_attn_scalar=12,
         rope_parameters={

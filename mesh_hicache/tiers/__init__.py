@@ -10,6 +10,7 @@ story and its agreements.
 from mesh_hicache.tiers.alloc import CacheFull, EvictHooks, HostReservation, TierAllocator
 from mesh_hicache.tiers.backup import BackupQueue
 from mesh_hicache.tiers.l3 import PREFETCH_BATCH_PAGES, Prefetch, PrefetchRules, StorageTier
+from mesh_hicache.tiers.l3_window import WindowRule
 from mesh_hicache.tiers.lease import Lease
 from mesh_hicache.tiers.load import Loader, PendingLoad
 from mesh_hicache.tiers.requests import (
@@ -36,4 +37,5 @@ __all__ = [
     "ServedTokens",
     "StorageTier",
     "TierAllocator",
+    "WindowRule",
 ]

@@ -3,6 +3,8 @@
 Keys: one object per (region, chained page hash) for paged regions and per (region,
 hash of the boundary's last page) for Mamba state regions, each naming this rank's
 global slice (docs/DESIGN.md section 8). Only the elected writer of a region writes it.
+Windowed layers' pages (``kv_window``) are written and required only where a resume
+needs them (``l3_window.py``).
 
 Reshard on read: past what this mesh stored itself, pages (and states) are read from the
 other writer meshes recorded under the namespace (``l3_sources.py`` finds them, at one
@@ -18,9 +20,10 @@ both threads and the scheduler (existence); backends are thread-safe. Stats are
 recorded under their lock.
 
 Agreements (scheduler thread, always the same count on every rank): :meth:`query` 1 or 2
-(MIN over the hit, then whether the state at its end exists); :meth:`match` adds the host
-reservation's (``alloc``) when it starts a prefetch; :meth:`finish_prefetch` 1 or 2
-(MIN over what arrived, then whether the state at the kept boundary was read);
+(MIN over the hit, then whether the state and the windowed pages at its end exist);
+:meth:`match` adds the host reservation's (``alloc``) when it starts a prefetch;
+:meth:`finish_prefetch` 1 or 2 (MIN over what arrived, then whether the state and the
+windowed pages at the kept boundary were read);
 :meth:`cancel_prefetch` none (every rank abandons the same request).
 """
 
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mesh_hicache.choices import PrefetchPolicy
+from mesh_hicache.choices import PrefetchPolicy, RegionName
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import RegionLayout, StateLayout
 from mesh_hicache.pools.host import HostPools
@@ -45,6 +48,7 @@ from mesh_hicache.storage.keys import KeyNamespace, StorageKey
 from mesh_hicache.tiers.alloc import TierAllocator
 from mesh_hicache.tiers.l3_reads import PREFETCH_BATCH_PAGES, Prefetch, PrefetchReader
 from mesh_hicache.tiers.l3_sources import SourceFinder
+from mesh_hicache.tiers.l3_window import WindowRule
 from mesh_hicache.tiers.reshard import SourcePlan
 
 __all__ = ["PREFETCH_BATCH_PAGES", "Prefetch", "PrefetchRules", "StorageTier"]
@@ -77,6 +81,7 @@ class StorageTier:
         agree: Consensus,
         stats: CacheStats,
         rules: PrefetchRules,
+        window: WindowRule | None = None,
     ) -> None:
         self.namespace = namespace
         self._layout = layout
@@ -88,6 +93,7 @@ class StorageTier:
         self._rules = rules
         self._page_size = layout.spec.page_size
         self._has_mamba = layout.spec.has_mamba
+        self._window = window
         self._paged = layout.held_regions(paged=True)
         self._slotted = layout.held_regions(paged=False)
         for buffer in host.buffers():  # contiguous: the region tensors, or one arena
@@ -95,6 +101,7 @@ class StorageTier:
         self._sources = SourceFinder(backend, namespace, layout)
         self._prefetch = PrefetchReader(self._sources, host, stats)
         self._last_sources: list[SourcePlan | None] = []
+        self._last_window: list[bool] | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-read")
         self._write_error_kinds: set[str] = set()  # logged once each (l3-write thread only)
@@ -125,9 +132,13 @@ class StorageTier:
             for region in self._paged:
                 if not region.is_writer or n.host_indices is None:
                     continue
-                for h, page in zip(n.hashes, n.host_indices, strict=True):
-                    keys.append(self.key(region, h))
-                    rows.append(self._host.row(region.name, page))
+                offsets: Sequence[int] = range(n.num_pages)
+                if region.name is RegionName.KV_WINDOW:
+                    assert self._window is not None
+                    offsets = self._window.write_offsets(n)
+                for i in offsets:
+                    keys.append(self.key(region, n.hashes[i]))
+                    rows.append(self._host.row(region.name, n.host_indices[i]))
             if n.mamba_host_slot is not None and n.last_hash is not None:
                 for region in self._slotted:
                     if region.is_writer:
@@ -160,45 +171,102 @@ class StorageTier:
 
     # -- existence (scheduler thread) -----------------------------------------------------
 
-    def query(self, hashes: Sequence[bytes]) -> int:
-        """How many of the pages ``hashes`` (chained page hashes beyond what L1/L2 hold)
-        every rank can read from L3, ending at a Mamba state when the model has one.
-        Agreed (1 or 2 collectives, always the same count)."""
-        local = self._local_hit(hashes) if hashes else 0
+    def query(
+        self, hashes: Sequence[bytes], start_page: int = 0, missing: frozenset[int] = frozenset()
+    ) -> int:
+        """How many of the pages ``hashes`` (chained page hashes beyond what L1/L2 hold,
+        the first one page ``start_page`` of the key) every rank can read from L3, ending
+        at a Mamba state when the model has one and where the windowed pages a resume
+        needs are present (in L3, or in the tree unless in ``missing``, absolute page
+        indices). Agreed (1 or 2 collectives, always the same count)."""
+        local = self._local_hit(hashes, start_page, missing) if hashes else 0
         pages = self._agree.min(local)
-        if pages and self._has_mamba:
-            if not self._agree.all_true(self._state_exists(hashes[pages - 1])):
+        if pages and (self._has_mamba or self._window is not None):
+            ok = not self._has_mamba or self._state_exists(hashes[pages - 1])
+            ok = ok and self._window_ok(start_page, pages, self._last_window, missing)
+            if not self._agree.all_true(ok):
                 pages = 0
         return pages
 
-    def _local_hit(self, hashes: Sequence[bytes]) -> int:
-        """Pages this rank can read; records each page's source in ``_last_sources``."""
+    def _local_hit(self, hashes: Sequence[bytes], start_page: int, missing: frozenset[int]) -> int:
+        """Pages this rank can read; records each page's source in ``_last_sources`` and
+        its windowed pages' presence in ``_last_window``."""
         n, sources = self._sources.local_hit(hashes)
-        if self._has_mamba:
-            while n > 0 and not self._state_exists(hashes[n - 1]):
-                n -= 1
+        present = self._sources.window_present(hashes[:n], sources)
+        if self._window is not None and present is not None:
+            if not self._window_ok(start_page, n, present, missing, whole=True):
+                self._sources.window_elsewhere(hashes[:n], sources, present)
+        n = self._deepest(hashes, start_page, n, present, missing)
         self._last_sources = sources[:n]
+        self._last_window = present[:n] if present is not None else None
         return n
+
+    def _deepest(
+        self,
+        hashes: Sequence[bytes],
+        start_page: int,
+        pages: int,
+        present: list[bool] | None,
+        missing: frozenset[int],
+    ) -> int:
+        """The deepest boundary within ``pages`` past ``start_page`` (``hashes``: theirs)
+        that has a stored state (with Mamba) and its windowed pages (with windows)."""
+        if self._window is not None and present is not None:
+            pages = self._window.limit(start_page, pages, present.__getitem__)
+        while pages > 0 and not (
+            self._window_ok(start_page, pages, present, missing)
+            and (not self._has_mamba or self._state_exists(hashes[pages - 1]))
+        ):
+            pages -= 1
+        return pages
+
+    def _window_ok(
+        self,
+        start_page: int,
+        pages: int,
+        present: list[bool] | None,
+        missing: frozenset[int],
+        *,
+        whole: bool = False,
+    ) -> bool:
+        """Whether a resume ``pages`` past ``start_page`` finds its windowed pages
+        (``present``: per L3 page; None: this rank holds no windowed layer); ``whole``:
+        and every checkpoint before it finds its pages (``WindowRule.limit``)."""
+        rule = self._window
+        if rule is None or present is None:
+            return True
+        if whole and rule.limit(start_page, pages, present.__getitem__) < pages:
+            return False
+        return rule.resumes(start_page, pages, present.__getitem__, missing)
 
     def _state_exists(self, page_hash: bytes) -> bool:
         return self._sources.state_exists(page_hash)
 
     # -- prefetch -------------------------------------------------------------------------
 
-    def match(self, key: RadixKey, start_page: int, parent_hash: bytes | None) -> Prefetch | None:
+    def match(
+        self,
+        key: RadixKey,
+        start_page: int,
+        parent_hash: bytes | None,
+        missing: frozenset[int] = frozenset(),
+    ) -> Prefetch | None:
         """Look up the pages of ``key`` from ``start_page`` on (the chain continues from
-        ``parent_hash``, the last page L1/L2 hold) and start prefetching them when the
-        agreed hit reaches the threshold. None (on every rank) when nothing is fetched."""
+        ``parent_hash``, the last page L1/L2 hold; ``missing``: pages before it without
+        windowed K/V) and start prefetching them when the agreed hit reaches the
+        threshold. None (on every rank) when nothing is fetched."""
         ps = self._page_size
         hashes = key.page_hashes(ps, parent_hash, start_page)
-        pages = self.query(hashes)
+        pages = self.query(hashes, start_page, missing)
         if pages and pages * ps >= self._rules.threshold:
-            return self._start(key, start_page, hashes[:pages])
+            return self._start(key, start_page, hashes[:pages], missing)
         if pages:
             self._stats.record_prefetch(self._rules.policy, "below_threshold")
         return None
 
-    def _start(self, key: RadixKey, start_page: int, hashes: Sequence[bytes]) -> Prefetch | None:
+    def _start(
+        self, key: RadixKey, start_page: int, hashes: Sequence[bytes], missing: frozenset[int]
+    ) -> Prefetch | None:
         """Reserve host pages and a slot (agreed) and start reading the KV pages
         ``hashes`` in the background, then the state at their end."""
         got = self._alloc.try_alloc_host(len(hashes), 1 if self._has_mamba else 0)
@@ -207,6 +275,9 @@ class StorageTier:
             return None
         slot = got.slots[0] if got.slots else None
         job = Prefetch(key, start_page, len(hashes), got.pages, slot, list(hashes))
+        job.missing_before = missing
+        if self._last_window is not None:
+            job.window_present = self._last_window[: len(hashes)]
         try:
             job.sources = self._last_sources[: len(hashes)]
             assert len(job.sources) == len(hashes)
@@ -248,10 +319,16 @@ class StorageTier:
         job.cancel.set()
         job.finished.wait()  # at most one batch more: the pages must not change under us
         complete = job.pages_done == job.num_pages and job.state_ok
-        local = job.num_pages if complete else self._deepest_state(job, job.pages_done)
+        present = job.window_present or None
+        if complete:
+            local = job.num_pages
+        else:
+            start, missing = job.start_page, job.missing_before
+            local = self._deepest(job.hashes, start, job.pages_done, present, missing)
         pages = self._agree.min(local)
         if pages:
             ok = complete if pages == job.num_pages else self._prefetch.read_state(job, pages)
+            ok = ok and self._window_ok(job.start_page, pages, present, job.missing_before)
             if not self._agree.all_true(ok):
                 pages = 0
         outcome = "completed" if pages == job.num_pages else "partial" if pages else "aborted"
@@ -266,24 +343,18 @@ class StorageTier:
         else:
             job.resharded_pages = [bool(s) for s in job.sources[:pages]]
         end = (job.start_page + pages) * self._page_size
+        gaps = self._window.kept_missing(job.start_page, pages) if self._window else ()
         result = self._tree.insert(
             job.key.prefix(end),
             host_indices=job.host_pages[:pages],
             host_first_page=job.start_page,
             mamba_host_slot=job.host_slot,
+            window_missing=gaps,
         )
         slot = job.host_slot
         unused = [slot] if slot is not None and not result.mamba_host_taken else []
         self._alloc.free_host(result.unused_host_indices, unused)
         return pages * self._page_size
-
-    def _deepest_state(self, job: Prefetch, pages: int) -> int:
-        """Deepest boundary within the first ``pages`` read pages that has a stored state."""
-        if not self._has_mamba:
-            return pages
-        while pages > 0 and not self._state_exists(job.hashes[pages - 1]):
-            pages -= 1
-        return pages
 
     @property
     def closed(self) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mesh_hicache.choices import RegionName
 from mesh_hicache.layout import RegionLayout
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.radix import RadixKey
@@ -47,6 +48,11 @@ class Prefetch:
     """Per page: the writer mesh it is resharded from (None: this mesh's own objects)."""
     state_sources: list[SourcePlan] = field(default_factory=list)
     """Other meshes to read the boundary state from when this mesh has none stored."""
+    missing_before: frozenset[int] = frozenset()
+    """Pages of the key before ``start_page`` whose windowed K/V the tree lacks."""
+    window_present: list[bool] = field(default_factory=list)
+    """Per page: whether its windowed objects are stored (empty: this rank holds no
+    windowed layer). Absent ones are not read; their host rows are zeroed."""
     state_resharded: bool = False
     resharded_pages: list[bool] = field(default_factory=list)
     """Once finished: per kept page, whether it came from another mesh's objects."""
@@ -93,17 +99,31 @@ class PrefetchReader:
             return self._read_resharded(job, lo, hi)
         keys: list[StorageKey] = []
         rows: list[torch.Tensor] = []
+        pages: list[int] = []
         for region in self._paged:
             for i in range(lo, hi):
+                row = self._host.row(region.name, job.host_pages[i])
+                if self._skipped(job, region, i, row):
+                    continue
                 keys.append(self._finder.key(region, job.hashes[i]))
-                rows.append(self._host.row(region.name, job.host_pages[i]))
+                rows.append(row)
+                pages.append(i)
         if not keys:
             return hi - lo
         flags = self._backend.get(keys, rows)
         self._count_read([r.nbytes for r in rows], flags)
-        n = hi - lo
-        whole = [all(flags[r * n + i] for r in range(len(self._paged))) for i in range(n)]
-        return whole.index(False) if False in whole else n
+        whole = [True] * (hi - lo)
+        for i, ok in zip(pages, flags, strict=True):
+            whole[i - lo] = whole[i - lo] and ok
+        return whole.index(False) if False in whole else hi - lo
+
+    @staticmethod
+    def _skipped(job: Prefetch, region: RegionLayout, page: int, row: torch.Tensor) -> bool:
+        """True (and the host ``row`` zeroed) for a windowed page that L3 does not hold."""
+        if region.name is not RegionName.KV_WINDOW or job.window_present[page]:
+            return False
+        row.zero_()
+        return True
 
     def _read_resharded(self, job: Prefetch, lo: int, hi: int) -> int:
         """Like the same-mesh read, but page by page from each page's source mesh."""
@@ -113,7 +133,8 @@ class PrefetchReader:
             ok = True
             for region in self._paged:
                 row = self._host.row(region.name, job.host_pages[i])
-                ok = self._read_row(src, region, job.hashes[i], row) and ok
+                if not self._skipped(job, region, i, row):
+                    ok = self._read_row(src, region, job.hashes[i], row) and ok
             whole.append(ok)
         return whole.index(False) if False in whole else hi - lo
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mesh_hicache.choices import RegionName
 from mesh_hicache.layout import RegionLayout, StateLayout
 from mesh_hicache.storage.base import StorageBackend
 from mesh_hicache.storage.keys import KeyNamespace, StorageKey
@@ -46,7 +47,11 @@ class SourceFinder:
         self.backend = backend
         self.namespace = namespace
         self._layout = layout
-        self._paged = layout.held_regions(paged=True)
+        paged = layout.held_regions(paged=True)
+        # A page's source is chosen by its whole-page regions; the windowed region is
+        # stored only where a boundary needs it and asked per page (window_present).
+        self._paged = tuple(r for r in paged if r.name is not RegionName.KV_WINDOW)
+        self._window = next((r for r in paged if r.name is RegionName.KV_WINDOW), None)
         self._slotted = layout.held_regions(paged=False)
         self.own = MeshLayoutId.of(layout)
         self.registry = LayoutRegistry(backend, namespace, refresh_s=refresh_s)
@@ -135,6 +140,61 @@ class SourceFinder:
                 if not n:
                     return 0
         return n
+
+    def window_present(
+        self, hashes: Sequence[bytes], sources: Sequence[SourcePlan | None]
+    ) -> list[bool] | None:
+        """Per page of ``hashes``, whether its windowed objects exist under ``sources``
+        (that page's source; one batched query); None when this rank holds no windowed
+        layer."""
+        if self._window is None:
+            return None
+        return self._objects_in(hashes, sources, (self._window,))
+
+    def window_elsewhere(
+        self, hashes: Sequence[bytes], sources: list[SourcePlan | None], present: list[bool]
+    ) -> None:
+        """For each page whose windowed objects are not ``present`` under its source, look
+        in the other meshes (one batched query per mesh, only while pages are missing)
+        for one holding that page's windowed AND whole-page objects; where found, set the
+        page's entry of ``sources`` to it and of ``present`` to True. A page's whole-page
+        objects can exist under this mesh's keys while its windowed ones exist only under
+        another's (a stage whose full layers the writer laid out alike)."""
+        assert self._window is not None
+        regions = (self._window, *self._paged)
+        self.registry.refresh()
+        for plan in self.other_sources():
+            todo = [i for i, ok in enumerate(present) if not ok]
+            if not todo:
+                return
+            found = self._objects_in([hashes[i] for i in todo], [plan] * len(todo), regions)
+            for i, ok in zip(todo, found, strict=True):
+                if ok:
+                    present[i], sources[i] = True, plan
+
+    def _objects_in(
+        self,
+        hashes: Sequence[bytes],
+        sources: Sequence[SourcePlan | None],
+        regions: Sequence[RegionLayout],
+    ) -> list[bool]:
+        """Per page, whether every object of ``regions`` exists under its source."""
+        spans: list[int] = []
+        keys: list[StorageKey] = []
+        for h, src in zip(hashes, sources, strict=True):
+            for region in regions:
+                if src is None:
+                    keys.append(self.key(region, h))
+                else:
+                    reads = src.region(region.name).reads
+                    keys += [self.source_key(region.name.value, r, h) for r in reads]
+            spans.append(len(keys))
+        found = self.backend.exists_each(keys) if keys else []
+        out, lo = [], 0
+        for hi in spans:
+            out.append(all(found[lo:hi]))
+            lo = hi
+        return out
 
     # -- states --------------------------------------------------------------------------
 

@@ -149,7 +149,8 @@ class RequestFlow:
         try:
             if self._l3 is not None:
                 start = m.usable_len // self._page_size
-                lease.prefetch = self._l3.match(key, start, m.last_node.last_hash)
+                parent = m.last_node.last_hash
+                lease.prefetch = self._l3.match(key, start, parent, m.window_missing)
         except BaseException:
             lease.release()  # never leave the prefix pinned
             raise

@@ -155,6 +155,13 @@ def add_cache_args(p: argparse.ArgumentParser, machine_sized: bool = False) -> N
         default=256,
         help="prefetch from L3 only when it holds at least this many more tokens",
     )
+    p.add_argument(
+        "--window-checkpoint-tokens",
+        type=int,
+        default=2048,
+        help="sliding-window models: L3 keeps a windowed layer's pages only before node ends "
+        "and every multiple of this many tokens (a multiple of the page size; 0: every page)",
+    )
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -295,6 +302,7 @@ def cache_config(args: argparse.Namespace) -> HiCacheConfig | None:
         storage_options=options,
         prefetch_policy=args.prefetch_policy,
         prefetch_threshold=args.prefetch_threshold,
+        window_checkpoint_tokens=args.window_checkpoint_tokens,
         cp_kv=args.cp_kv,
         tenant=args.tenant,
         collective_timeout_s=args.collective_timeout_s,
@@ -341,6 +349,7 @@ def check_run_flags(args: argparse.Namespace) -> None:
         "--device-bytes": (args.device_bytes, 0),
         "--host-bytes": (args.host_bytes, 0),
         "--prefetch-threshold": (args.prefetch_threshold, 0),
+        "--window-checkpoint-tokens": (args.window_checkpoint_tokens, 0),
         "--mooncake-segment-bytes": (args.mooncake_segment_bytes, 0),
         "--mooncake-buffer-bytes": (args.mooncake_buffer_bytes, 0),
     }

@@ -45,3 +45,23 @@ def test_small_replay(tmp_path, capsys) -> None:
     assert 0.5 <= full["page_rule_ratio_end"] <= 1.0
     assert 0.0 <= full["token_hit_rate"] <= 1.0 and 0.0 <= win["token_hit_rate"] <= 1.0
     assert win["end_device_states"] > 0
+
+
+def test_l3_replay_stores_fewer_windowed_pages(tmp_path, capsys) -> None:
+    import bench_window_l3 as l3
+
+    out = tmp_path / "l3.json"
+    argv = ["--sessions", "3", "--checkpoints", "256", "--device-pages", "256"]
+    assert l3.main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "window_l3"
+    every, sparse = result["results"]["runs"]  # 0 (every page) is added as the baseline
+    assert every["checkpoint_tokens"] == 0 and sparse["checkpoint_tokens"] == 256
+    # Every page: one windowed object per page, the bytes of 24 full layers per token.
+    assert every["kv_window_objects"] == every["kv_objects"] > 0
+    assert every["l3_bytes_per_cached_token"] == 24 * 2 * 8 * 64 * 2
+    # Sparse: the same pages, fewer windowed objects, never below the full layers' half.
+    assert sparse["kv_objects"] == every["kv_objects"]
+    assert 0 < sparse["kv_window_objects"] < every["kv_window_objects"]
+    assert 0.5 < sparse["bytes_ratio"] < 1.0
+    assert 0.0 < sparse["restart"]["token_hit_rate"] <= every["restart"]["token_hit_rate"]

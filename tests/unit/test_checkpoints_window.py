@@ -137,8 +137,8 @@ def test_config_follows_the_checkpoint(root: Path, case: str) -> None:
         assert len(c.rope_inv_freq) == 4 and c.rope_cos_scale > 1.0  # YaRN
     else:
         assert (c.layer_windows, c.blocks, c.qk_norm, c.sandwich_norm) == (
-            (12, 12, 0),
-            "AMAMAM",
+            (12, 12, 12, 0),
+            "AMAMAMAM",
             True,
             True,
         )

@@ -1,0 +1,137 @@
+"""The storage tier's rules for sliding-window layers (the ``kv_window`` region).
+
+A resume at boundary ``b`` reads a windowed layer's K/V of only the last ``window - 1``
+tokens before ``b`` and the sinks (:mod:`mesh_hicache.radix.window`). L3 therefore
+stores a ``kv_window`` page object only where a boundary needs it:
+
+- **write** (:meth:`WindowRule.write_offsets`): a node writes the windowed pages that a
+  resume at its end needs, and those that a resume at every multiple of
+  ``checkpoint_tokens`` inside or just past it needs. The checkpoints depend on the page
+  index alone, so whatever way the tree splits a path later, a boundary at each checkpoint
+  finds its windowed pages; a node end created by a later split may not, and an L3 hit
+  there falls back to the deepest boundary that does (at most ``checkpoint_tokens``
+  shorter). ``checkpoint_tokens=0`` stores every page. A node whose windowed K/V has
+  gaps (it came from L3 itself, ``TreeNode.window_missing``) writes none.
+- **hit** (:meth:`WindowRule.limit`, :meth:`WindowRule.resumes`): an L3 hit ends at the
+  deepest boundary at which every page a resume needs is present (in L3, or before the
+  hit's start in the tree), and before the first checkpoint whose pages L3 lacks (so a
+  lost object only shortens hits). Meshes sharing an L3 namespace should use the same
+  ``checkpoint_tokens``.
+- **read** (:meth:`WindowRule.kept_missing`): a prefetch reads the windowed pages that
+  exist (the others' host rows are zeroed); the tree then records as missing every read
+  page that neither the agreed end nor a checkpoint before it needs: the same set on
+  every rank, since the hit rule made sure each rank read those.
+
+Pure functions of page indices and the spec; no storage access, no collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from mesh_hicache.radix.node import TreeNode
+from mesh_hicache.radix.window import boundary_pages, resumable
+from mesh_hicache.spec import WindowSpec
+
+
+class WindowRule:
+    """Which ``kv_window`` pages L3 writes and when a hit may end (module docstring).
+
+    ``groups``: the spec's window groups (non-empty); ``checkpoint_tokens``: a multiple of
+    ``page_size`` >= 0 (``ValueError`` otherwise); 0 makes every page boundary a
+    checkpoint, so every page is stored.
+    """
+
+    def __init__(
+        self, groups: Sequence[WindowSpec], page_size: int, checkpoint_tokens: int
+    ) -> None:
+        if not groups:
+            raise ValueError("WindowRule needs at least one window group")
+        if checkpoint_tokens < 0 or checkpoint_tokens % page_size:
+            raise ValueError(
+                f"window_checkpoint_tokens must be a multiple of the page size ({page_size}) "
+                f">= 0, got {checkpoint_tokens}"
+            )
+        self.groups = tuple(groups)
+        self.page_size = page_size
+        self.checkpoint_tokens = checkpoint_tokens
+        self._step = checkpoint_tokens or page_size
+        self._reach = max(g.window for g in self.groups)
+
+    def needed(self, boundary: int) -> frozenset[int]:
+        """Pages (absolute) of any group that a resume at ``boundary`` tokens needs."""
+        out: set[int] = set()
+        for g in self.groups:
+            out |= boundary_pages(boundary, self.page_size, g)
+        return frozenset(out)
+
+    def checkpoint_pages(self, first: int, last: int, upto: int) -> set[int]:
+        """Pages in ``[first, last)`` that a resume at a checkpoint ``<= upto`` tokens needs."""
+        ps, step = self.page_size, self._step
+        out: set[int] = set()
+        b = (first * ps // step + 1) * step  # checkpoints before first * ps need no page here
+        stop = min(upto, last * ps + self._reach - 1)  # later ones need none either
+        while b <= stop:
+            out.update(p for p in self.needed(b) if first <= p < last)
+            b += step
+        return out
+
+    def write_offsets(self, node: TreeNode) -> tuple[int, ...]:
+        """Offsets of ``node``'s pages (0 = its first) whose windowed K/V L3 stores."""
+        if node.window_missing:
+            return ()
+        first = (node.prefix_len - node.num_tokens) // self.page_size
+        last = first + node.num_pages
+        pages = self.checkpoint_pages(first, last, last * self.page_size + self._reach)
+        pages.update(p for p in self.needed(node.prefix_len) if p >= first)
+        return tuple(p - first for p in sorted(pages))
+
+    def limit(self, start_page: int, candidates: int, present: Callable[[int], bool]) -> int:
+        """``candidates`` cut back before the first checkpoint past ``start_page`` whose
+        pages (page ``start_page + i`` iff ``present(i)``) are not all present: a hit
+        never ends past it, so every rank holds the pages :meth:`kept_missing` keeps."""
+        ps = self.page_size
+        end = start_page + candidates
+        for p in sorted(self.checkpoint_pages(start_page, end, end * ps)):
+            if not present(p - start_page):
+                # Every checkpoint needing page p lies past it: stop before the first.
+                first_b = (p // (self._step // ps) + 1) * self._step
+                return min(candidates, (first_b - 1) // ps - start_page)
+        return candidates
+
+    def resumes(
+        self,
+        start_page: int,
+        pages: int,
+        present: Callable[[int], bool],
+        missing_before: frozenset[int],
+    ) -> bool:
+        """Whether a resume ``pages`` past ``start_page`` finds every page it needs:
+        pages before ``start_page`` unless in ``missing_before`` (the tree's), page
+        ``start_page + i`` iff ``present(i)`` (L3's)."""
+        have = _Presence(start_page, present, missing_before)
+        return resumable((start_page + pages) * self.page_size, have, self.page_size, self.groups)
+
+    def kept_missing(self, start_page: int, pages: int) -> tuple[int, ...]:
+        """Pages ``[start_page, end)`` a prefetch ending at ``end = start_page + pages``
+        marks missing in the tree: all but those its end and the checkpoints up to it need
+        (:meth:`limit` made sure every rank read these)."""
+        end = start_page + pages
+        keep = self.checkpoint_pages(start_page, end, end * self.page_size)
+        keep.update(self.needed(end * self.page_size))
+        return tuple(p for p in range(start_page, end) if p not in keep)
+
+
+class _Presence:
+    """A page-presence container: the tree's pages before ``start``, then L3's."""
+
+    __slots__ = ("_missing", "_present", "_start")
+
+    def __init__(self, start: int, present: Callable[[int], bool], missing: frozenset[int]) -> None:
+        self._start, self._present, self._missing = start, present, missing
+
+    def __contains__(self, page: object) -> bool:
+        assert isinstance(page, int)
+        if page < self._start:
+            return page not in self._missing
+        return self._present(page - self._start)

@@ -1,0 +1,126 @@
+"""Sliding-window layers in the tiers: L3 stores a windowed page only where a boundary
+needs it, a hit ends only where every needed page is present, and what a resume reads is
+bit-exact (one rank, file storage, recognizable contents from ``cache_support``).
+
+Spec: 4 KV layers, 0 and 2 windowed (6 tokens: a resume at ``b`` reads tokens
+``b - 5 .. b - 1``, two pages of 4 tokens), 1 and 3 full; checkpoints every 16 tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mesh_hicache.cache import HiCache
+from mesh_hicache.spec import KVSpec, StateSpec, WindowSpec
+from tests.unit.cache_support import (
+    PS,
+    hashes_of,
+    make_config,
+    poison_free_device,
+    serve,
+    stored_objects,
+)
+
+A = list(range(100, 140))  # 10 pages
+B = A[:28] + list(range(500, 512))  # shares 7 pages with A
+
+
+def window_spec(sinks: int = 0) -> StateSpec:
+    return StateSpec(
+        page_size=PS,
+        kv=KVSpec(layer_ids=(0, 1, 2, 3), num_kv_heads=2, head_dim=2),
+        windows=(WindowSpec(layer_ids=(0, 2), window=6, sink_tokens=sinks),),
+        model_id="test/window",
+    )
+
+
+@pytest.fixture
+def make_cache(one_rank_topology):
+    caches: list[HiCache] = []
+
+    def build(root: Path, *, sinks: int = 0, **overrides) -> HiCache:
+        config = make_config(root, device_pages=24, host_pages=48, **overrides)
+        cache = HiCache(one_rank_topology, window_spec(sinks), config)
+        caches.append(cache)
+        return cache
+
+    yield build
+    for cache in caches:
+        cache.close()
+
+
+def write_a(make_cache, root: Path, **overrides) -> Counter[str]:
+    """Serve A once in a fresh cache and close it: A's pages go to L3."""
+    cache = make_cache(root, **overrides)
+    assert serve(cache, A).prefix == 0
+    cache.flush()
+    cache.close()
+    return Counter(region for region, _, _ in stored_objects(root))
+
+
+def test_l3_stores_only_the_windowed_pages_a_boundary_needs(make_cache, tmp_path):
+    files = write_a(make_cache, tmp_path / "l3", window_checkpoint_tokens=16)
+    # Full layers: every page. Windowed: the end (pages 8, 9) and the checkpoints at 16
+    # (pages 2, 3) and 32 (6, 7).
+    assert files["kv"] == 10 and files["kv_window"] == 6
+    every = write_a(make_cache, tmp_path / "l3_every", window_checkpoint_tokens=0)
+    assert every["kv"] == every["kv_window"] == 10
+
+
+def test_a_hit_ends_where_the_windowed_pages_are(make_cache, tmp_path):
+    root = tmp_path / "l3"
+    write_a(make_cache, root, window_checkpoint_tokens=16)
+    reader = make_cache(root, window_checkpoint_tokens=16)
+    poison_free_device(reader)
+    got = serve(reader, A)  # at the node end: pages 8 and 9 are stored
+    assert got.hit.storage_tokens == 40 and got.served == (0, 0, 40) and got.mismatches == 0
+    reader.check_integrity()
+
+    other = make_cache(root, window_checkpoint_tokens=16)
+    poison_free_device(other)
+    got = serve(other, B)  # 28, 24 and 20 need page 4 or 5: back to the checkpoint at 16
+    assert got.hit.storage_tokens == 16 and got.served == (0, 0, 16) and got.mismatches == 0
+    # Now the tree holds [0, 16) from L3 (pages 0, 1 without windowed K/V) and B's tail.
+    # A reuses 28 tokens from L1 (B's computed pages 4..6 carry the window) and the rest
+    # from L3: its end needs pages 8, 9 and the checkpoint at 32 pages 6, 7.
+    got = serve(other, A)
+    assert got.served == (28, 0, 12) and got.mismatches == 0
+    other.flush()
+    other.check_integrity()
+
+
+def test_every_page_stored_resumes_anywhere(make_cache, tmp_path):
+    root = tmp_path / "l3"
+    write_a(make_cache, root, window_checkpoint_tokens=0)
+    reader = make_cache(root, window_checkpoint_tokens=0)
+    poison_free_device(reader)
+    got = serve(reader, B)
+    assert got.hit.storage_tokens == 28 and got.mismatches == 0
+
+
+def test_sinks_are_stored_with_every_boundary(make_cache, tmp_path):
+    root = tmp_path / "l3"
+    files = write_a(make_cache, root, sinks=5, window_checkpoint_tokens=16)
+    assert files["kv_window"] == 8  # pages 0, 1 (sink tokens 0..4) as well
+    reader = make_cache(root, sinks=5, window_checkpoint_tokens=16)
+    poison_free_device(reader)
+    got = serve(reader, A)
+    assert got.served == (0, 0, 40) and got.mismatches == 0
+    got = serve(make_cache(root, sinks=5, window_checkpoint_tokens=16), B)
+    assert got.hit.storage_tokens == 16 and got.mismatches == 0
+
+
+def test_a_lost_windowed_object_only_shortens_the_hit(make_cache, tmp_path):
+    root = tmp_path / "l3"
+    write_a(make_cache, root, window_checkpoint_tokens=16)
+    lost = hashes_of(A)[7].hex()  # the checkpoint at 32 needs it
+    (tag,) = [t for r, h, t in stored_objects(root) if r == "kv_window" and h == lost]
+    next((root / "v1").glob(f"*/kv_window/{lost}/{tag}")).unlink()
+    reader = make_cache(root, window_checkpoint_tokens=16)
+    poison_free_device(reader)
+    got = serve(reader, A)  # stops before the checkpoint at 32: back to 16
+    assert got.hit.storage_tokens == 16 and got.mismatches == 0
+    reader.check_integrity()
