@@ -11,13 +11,12 @@ came from the cache. Same requests and tokenizer as ``test_checkpoints_serve``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.test_checkpoints_serve import _expected, _requests, _serve, _tokenizer
+from tests.distributed.test_checkpoints_serve import _requests, _serve, _setup
 
 tokenizers = pytest.importorskip("tokenizers", reason="needs tokenizers (test extra)")
 deepseek_cases = pytest.importorskip("tests.deepseek_cases", reason="needs transformers")
@@ -49,11 +48,8 @@ def _selected_positions(directory: Path, prompt: list[int], start: int) -> set[i
 )
 def test_serve_prompts_equals_transformers_generate(tmp_path: Path, mesh) -> None:
     directory = deepseek_cases.build(tmp_path)
-    _tokenizer(directory)
+    prompts, want = _setup(directory, tmp_path)
     requests = _requests()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    want = _expected(directory, requests)
     storage = tmp_path / "l3"
     first = _serve(directory, prompts, storage, tmp_path / "first.json", *mesh)
     assert [r["output_ids"] for r in first["requests"]] == want
@@ -92,11 +88,7 @@ def test_l3_written_under_one_mesh_serves_another(tmp_path: Path) -> None:
     """Written by 1x2x2 (cp_kv=shard, the latent and keys split over cp), read by 2x1x1:
     the reader reshards every hit and still gives transformers' tokens."""
     directory = deepseek_cases.build(tmp_path)
-    _tokenizer(directory)
-    requests = _requests()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
-    want = _expected(directory, requests)
+    prompts, want = _setup(directory, tmp_path)
     storage = tmp_path / "l3"
     writer = ("--cp", "2", "--tp", "2", "--cp-kv", "shard")
     first = _serve(directory, prompts, storage, tmp_path / "first.json", *writer)
