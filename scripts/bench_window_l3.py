@@ -8,8 +8,12 @@ baseline), each in a fresh store:
 1. **write**: the trace into an empty cache, every node written through to L3; then the
    objects stored per region are counted (``kv``: the 12 full layers, ``kv_window``: the
    12 windowed ones);
-2. **restart**: a new cache (empty L1/L2) on that store replays the trace again; its
-   token hit rate and the part served from L3.
+2. **restart**: a new cache (empty L1/L2) on that store replays the trace again, the
+   latest sessions first; its token hit rate and the part served from L3.
+
+``--cap-fraction F`` also runs every setting with the file store capped at ``F`` times
+the baseline's bytes (its own oldest-first cleanup): the restart hit rate at equal L3
+bytes.
 
 Bytes are reported at gpt-oss-20b's dims (8 KV heads of 64, bf16): the objects counted
 times each region's row bytes, per cached token (``kv`` objects x page size). The cache
@@ -81,14 +85,39 @@ def replay(cache: HiCache, trace: list[Any]) -> dict[str, float]:
     }
 
 
-def run(args: argparse.Namespace, trace: list[Any], checkpoint: int) -> dict[str, Any]:
+def latest_first(trace: list[Any]) -> list[Any]:
+    """The restart's order: sessions from the last one to end to the first, each in turn
+    order. What a capped store kept (its oldest objects go first) is asked for first, so
+    the restart measures how much of the trace the store held, not an LRU scan."""
+    last: dict[Any, int] = {}
+    for i, req in enumerate(trace):
+        last[req.session_id] = i
+    order = sorted(last, key=lambda sid: -last[sid])
+    by_session: dict[Any, list[Any]] = {sid: [] for sid in order}
+    for req in trace:
+        by_session[req.session_id].append(req)
+    return [req for sid in order for req in sorted(by_session[sid], key=lambda r: r.turn)]
+
+
+def store_bytes(root: str) -> int:
+    """Bytes of every file under ``root`` (object headers included)."""
+    return sum(
+        os.path.getsize(os.path.join(d, f)) for d, _dirs, files in os.walk(root) for f in files
+    )
+
+
+def run(
+    args: argparse.Namespace, trace: list[Any], checkpoint: int, cap: int | None = None
+) -> dict[str, Any]:
+    """One setting: write the trace, count, restart. ``cap``: the file store's byte cap
+    (its own oldest-first cleanup keeps it under), None for none."""
     spec = small_spec(args.page_size, args.window, args.sink_tokens)
     with tempfile.TemporaryDirectory(prefix="window_l3_") as root:
         config = HiCacheConfig(
             device_pages=args.device_pages,
             host_pages=args.device_pages * 2,
             storage="file",
-            storage_options={"root": root},
+            storage_options={"root": root, "max_bytes": cap},
             write_policy="write_through",
             prefetch_threshold=args.page_size,
             transfer="cpu",
@@ -100,8 +129,9 @@ def run(args: argparse.Namespace, trace: list[Any], checkpoint: int) -> dict[str
         replay(writer, trace)
         writer.close()
         objects = region_objects(root)
+        stored = store_bytes(root)
         reader = HiCache(topo, spec, config)
-        restart = replay(reader, trace)
+        restart = replay(reader, latest_first(trace))
         reader.close()
     p = GPT_OSS_20B
     row = args.page_size * 2 * p.num_kv_heads * p.head_dim * p.dtype_bytes  # one layer-page
@@ -110,6 +140,8 @@ def run(args: argparse.Namespace, trace: list[Any], checkpoint: int) -> dict[str
     tokens = kv * args.page_size
     return {
         "checkpoint_tokens": checkpoint,
+        "store_cap": cap,
+        "store_bytes": stored,
         "kv_objects": kv,
         "kv_window_objects": win,
         "window_pages_stored": win / kv if kv else 0.0,
@@ -131,6 +163,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--window", type=int, default=WINDOW)
     p.add_argument("--sink-tokens", type=int, default=0)
+    p.add_argument(
+        "--cap-fraction",
+        type=float,
+        default=0.0,
+        help="also run every setting with the store capped at this fraction of the "
+        "baseline's bytes (the restart hit rate at equal L3 bytes); 0: no capped runs",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     return p
 
@@ -144,25 +183,40 @@ def main(argv: list[str] | None = None) -> int:
         values.insert(0, 0)  # the baseline: every windowed page stored
     runs = [run(args, trace, v) for v in values]
     base = runs[values.index(0)]
+    if args.cap_fraction > 0:
+        cap = int(args.cap_fraction * base["store_bytes"])
+        capped = [run(args, trace, v, cap) for v in values]
+        report(capped, capped[values.index(0)])
+    else:
+        capped = []
+    report(runs, base)
+    config = {**vars(args), "requests": len(trace), "profile": "gpt-oss-20b"}
+    result = bench_common.make_result("window_l3", config, {"runs": runs, "capped": capped})
+    print(json.dumps(result["results"], indent=2))
+    if args.json:
+        bench_common.write_json(result, args.json)
+    return 0
+
+
+def report(runs: list[dict[str, Any]], base: dict[str, Any]) -> None:
+    """Add each run's ratios over ``base`` (same run) and print one line per run."""
     for r in runs:
         b = base["l3_bytes_per_cached_token"]
         r["bytes_ratio"] = r["l3_bytes_per_cached_token"] / b if b else 0.0
         h = base["restart"]["token_hit_rate"]
         r["restart_hit_ratio"] = r["restart"]["token_hit_rate"] / h if h else 0.0
+        h3 = base["restart"]["storage_share"]
+        r["restart_l3_ratio"] = r["restart"]["storage_share"] / h3 if h3 else 0.0
         print(
-            f"bench_window_l3: checkpoints {r['checkpoint_tokens']}: windowed pages stored "
+            f"bench_window_l3: checkpoints {r['checkpoint_tokens']} cap {r['store_cap']}: "
+            f"windowed pages stored "
             f"{r['window_pages_stored']:.1%}, L3 bytes/token {r['l3_bytes_per_cached_token']:.0f}"
             f" ({r['bytes_ratio']:.3f}x); restart hit rate {r['restart']['token_hit_rate']:.2%}"
-            f" ({r['restart_hit_ratio']:.3f}x), from L3 {r['restart']['storage_share']:.2%}",
+            f" ({r['restart_hit_ratio']:.3f}x), from L3 {r['restart']['storage_share']:.2%} "
+            f"({r['restart_l3_ratio']:.3f}x)",
             file=sys.stderr,
             flush=True,
         )
-    config = {**vars(args), "requests": len(trace), "profile": "gpt-oss-20b"}
-    result = bench_common.make_result("window_l3", config, {"runs": runs})
-    print(json.dumps(result["results"], indent=2))
-    if args.json:
-        bench_common.write_json(result, args.json)
-    return 0
 
 
 if __name__ == "__main__":

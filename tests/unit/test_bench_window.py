@@ -52,6 +52,7 @@ def test_l3_replay_stores_fewer_windowed_pages(tmp_path, capsys) -> None:
 
     out = tmp_path / "l3.json"
     argv = ["--sessions", "3", "--checkpoints", "256", "--device-pages", "256"]
+    argv += ["--cap-fraction", "0.5"]
     assert l3.main([*argv, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "window_l3"
@@ -65,3 +66,9 @@ def test_l3_replay_stores_fewer_windowed_pages(tmp_path, capsys) -> None:
     assert 0 < sparse["kv_window_objects"] < every["kv_window_objects"]
     assert 0.5 < sparse["bytes_ratio"] < 1.0
     assert 0.0 < sparse["restart"]["token_hit_rate"] <= every["restart"]["token_hit_rate"]
+    # Capped at half the baseline's store: both settings under the same byte cap.
+    capped = result["results"]["capped"]
+    assert [c["checkpoint_tokens"] for c in capped] == [0, 256]
+    cap = capped[0]["store_cap"]
+    assert cap == int(0.5 * every["store_bytes"]) and capped[1]["store_cap"] == cap
+    assert all(c["store_bytes"] <= cap for c in capped)
