@@ -144,16 +144,27 @@ def run(
     return result
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """The trace and window group flags this script shares with ``bench_window_l3.py``."""
     p.add_argument("--shape", default="chat", help="trace shape (chat, long-replies, agent)")
     p.add_argument("--sessions", type=int, default=None, help="default: the shape's")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device-bytes", default="1GB,2GB,5GB", help="comma-separated L1 budgets")
-    p.add_argument("--host-bytes", default="", help="L2 budget (default: no L2)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--window", type=int, default=WINDOW)
     p.add_argument("--sink-tokens", type=int, default=0)
+
+
+def trace_of(args: argparse.Namespace) -> list[Any]:
+    """The seeded trace that :func:`add_trace_args`' flags name."""
+    overrides = {} if args.sessions is None else {"sessions": args.sessions}
+    return make_trace(trace_shape(args.shape, **overrides), seed=args.seed)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_trace_args(p)
+    p.add_argument("--device-bytes", default="1GB,2GB,5GB", help="comma-separated L1 budgets")
+    p.add_argument("--host-bytes", default="", help="L2 budget (default: no L2)")
     p.add_argument("--policy", default="lru")
     p.add_argument("--json", default=None, help="write the results here")
     return p
@@ -161,8 +172,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    overrides = {} if args.sessions is None else {"sessions": args.sessions}
-    trace = make_trace(trace_shape(args.shape, **overrides), seed=args.seed)
+    trace = trace_of(args)
     budgets = [parse_bytes(b) for b in args.device_bytes.split(",")]
     ps = args.page_size
     wp = window_pages(ps, args.window, args.sink_tokens)

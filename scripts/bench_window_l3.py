@@ -37,7 +37,7 @@ from typing import Any
 import bench_common
 import torch
 from bench_hitrate import one_rank_topology
-from bench_window_bytes import GPT_OSS_20B, WINDOW
+from bench_window_bytes import GPT_OSS_20B, add_trace_args, trace_of
 
 from mesh_hicache.cache import HiCache
 from mesh_hicache.config import HiCacheConfig
@@ -45,7 +45,6 @@ from mesh_hicache.spec import KVSpec, StateSpec, WindowSpec
 from mesh_hicache.storage.keys import KeyNamespace
 from mesh_hicache.tiers.discovery import MAX_LAYOUTS, entry_key
 from runtime.workloads.replay import Replayer
-from runtime.workloads.traces import make_trace, trace_shape
 
 LAYERS = GPT_OSS_20B.attention_layers
 WINDOWED = tuple(range(0, LAYERS, 2))  # gpt-oss alternates sliding and full layers
@@ -155,14 +154,9 @@ def run(
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="chat", help="trace shape (chat, long-replies, agent)")
-    p.add_argument("--sessions", type=int, default=None, help="default: the shape's")
-    p.add_argument("--seed", type=int, default=0)
+    add_trace_args(p)
     p.add_argument("--checkpoints", default="0,2048", help="window_checkpoint_tokens values")
     p.add_argument("--device-pages", type=int, default=4096)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--window", type=int, default=WINDOW)
-    p.add_argument("--sink-tokens", type=int, default=0)
     p.add_argument(
         "--cap-fraction",
         type=float,
@@ -176,8 +170,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    overrides = {} if args.sessions is None else {"sessions": args.sessions}
-    trace = make_trace(trace_shape(args.shape, **overrides), seed=args.seed)
+    trace = trace_of(args)
     values = [int(v) for v in args.checkpoints.split(",")]
     if 0 not in values:
         values.insert(0, 0)  # the baseline: every windowed page stored

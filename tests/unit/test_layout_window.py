@@ -4,29 +4,21 @@ the sliding-window ones (layout, device pools, transfer segments, reshard plans)
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
 
 import pytest
 import torch
 
 from mesh_hicache.choices import CpKvMode
-from mesh_hicache.layout import RegionName, StateLayout, all_layouts, kv_head_range, kv_page_tokens
+from mesh_hicache.layout import RegionName, StateLayout, all_layouts
 from mesh_hicache.pools import DevicePools, HostPools
 from mesh_hicache.pools.arena import ArenaPlan
 from mesh_hicache.spec import Family, KVSpec, StateSpec, WindowSpec
-from mesh_hicache.tiers.reshard import MeshLayoutId, assemble, plan_source, row_maps
+from mesh_hicache.tiers.reshard import MeshLayoutId, plan_source, row_maps
 from mesh_hicache.topology import all_coordinates
 from mesh_hicache.transfer import CpuTransferEngine
 from mesh_hicache.transfer.segments import build_segments
 from tests.unit.test_layout import MESHES, hybrid_spec, kv_only_spec
-from tests.unit.test_reshard_plan import (
-    NUM_HEADS_Q,
-    _global,
-    _layouts,
-    _mesh_ids,
-    _only_ranges,
-)
 from tests.unit.transfer_support import randomize, same_bits, snapshot
 
 KV_REGIONS = (RegionName.KV, RegionName.KV_WINDOW)
@@ -206,63 +198,6 @@ def test_backup_and_load_round_trip_is_bit_exact(arena: bool) -> None:
 
 
 # -- reshard -------------------------------------------------------------------------------
-
-
-def _kv_row(lay: StateLayout, name: RegionName, full: torch.Tensor) -> torch.Tensor:
-    """This rank's row of KV region ``name`` (padding rows zero) cut from the global
-    ``[layer, 2, T, H, D]`` tensor."""
-    region = lay.region(name)
-    _, cp, tp = lay.shape
-    _, c, t = lay.coords
-    assert lay.spec.kv is not None
-    ids = list(region.local_layer_ids)
-    t0, t1 = kv_page_tokens(lay.spec.page_size, cp, c, lay.cp_kv)
-    h0, h1 = kv_head_range(NUM_HEADS_Q, lay.spec.kv.num_kv_heads, tp, t)
-    row = torch.zeros(region.local_shape)
-    row[: len(ids)] = full[ids][:, :, t0:t1, h0:h1]
-    return row
-
-
-def test_reshard_covers_both_kv_regions_exactly_once() -> None:
-    spec = windowed_spec(((0, 2), (3,)))  # full 1 4 5: pp=2 stages 0..2, 3..5 are uneven
-    full = _global(spec, RegionName.KV)  # values by model layer id: any KV region
-    ids = _mesh_ids()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lays = {mid: _layouts(spec, mid) for mid in ids}
-    pairs = 0
-    for writer_id, reader_id in itertools.product(ids, ids):
-        writers, readers = lays[writer_id], lays[reader_id]
-        if writers is None or readers is None:
-            continue
-        pairs += 1
-        stored: dict[tuple[str, str], torch.Tensor] = {}
-        for w in writers:
-            for region in w.held_regions():
-                if region.is_writer:
-                    key = (region.name.value, region.global_slice.tag())
-                    assert key not in stored, f"{key} written twice under {writer_id}"
-                    stored[key] = _kv_row(w, region.name, full).flatten()
-        assert {name for name, _ in stored} == {"kv", "kv_window"}
-        for reader in readers:
-            plan = plan_source(reader, writer_id)
-            assert plan is not None, (writer_id, reader_id, reader.coords)
-            assert [p.region for p in plan.regions] == [r.name for r in reader.held_regions()]
-            for rp in plan.regions:
-                region = reader.region(rp.region)
-                dst = torch.full(region.local_shape, -1.0)
-                count = torch.zeros(region.local_shape)
-                for read in rp.reads:
-                    obj = stored[(rp.region.value, read.slice.tag())]
-                    assemble(read, _only_ranges(obj, read.ranges), dst)
-                    for c in read.copies:
-                        count[c.dst] += 1
-                n = len(region.local_layer_ids)
-                where = f"{writer_id} -> {reader_id} {reader.coords} {rp.region}"
-                assert torch.equal(count[:n], torch.ones_like(count[:n])), where
-                assert not count[n:].any(), where
-                assert torch.equal(dst[:n], _kv_row(reader, rp.region, full)[:n]), where
-    assert pairs > 50
 
 
 def test_reshard_plan_one_rank_to_pp_tp() -> None:

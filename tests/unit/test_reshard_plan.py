@@ -24,7 +24,7 @@ from mesh_hicache.layout import (
     ssm_group_range,
     tp_split,
 )
-from mesh_hicache.spec import IndexerSpec, KVSpec, MambaSpec, StateSpec
+from mesh_hicache.spec import IndexerSpec, KVSpec, MambaSpec, StateSpec, WindowSpec
 from mesh_hicache.tiers.reshard import MeshLayoutId, assemble, plan_source
 
 NUM_HEADS_Q = 8
@@ -82,6 +82,17 @@ def _specs() -> dict[str, StateSpec]:
             page_size=4,
             kv=KVSpec(layer_ids=tuple(range(3)), num_kv_heads=1, head_dim=4, mla=True),
         ),
+        # Two window groups among six attention layers: the kv region holds layers 1, 4
+        # and 5, kv_window 0, 2 and 3 (pp=2 stages 0..2 and 3..5 hold uneven shares).
+        "windowed": StateSpec(
+            model_id="test-model",
+            page_size=4,
+            kv=KVSpec(layer_ids=tuple(range(6)), num_kv_heads=2, head_dim=2),
+            windows=(
+                WindowSpec(layer_ids=(0, 2), window=4),
+                WindowSpec(layer_ids=(3,), window=5),
+            ),
+        ),
     }
 
 
@@ -93,10 +104,13 @@ def _mesh_ids() -> list[MeshLayoutId]:
     return out
 
 
+_KV_REGIONS = (RegionName.KV, RegionName.KV_WINDOW)
+
+
 def _global(spec: StateSpec, name: RegionName) -> torch.Tensor:
     """A global tensor (model layer id first) of distinct values for region ``name``."""
     n, ps = spec.num_layers, spec.page_size
-    if name is RegionName.KV:
+    if name in _KV_REGIONS:
         assert spec.kv is not None
         shape: tuple[int, ...] = (n, 2, ps, spec.kv.num_kv_heads, spec.kv.head_dim)
     elif name is RegionName.INDEXER:
@@ -140,11 +154,11 @@ def _local_row(lay: StateLayout, name: RegionName, full: torch.Tensor) -> torch.
     row = torch.zeros(region.local_shape)
     ids = list(region.local_layer_ids)
     part = full[ids]
-    if name in (RegionName.KV, RegionName.INDEXER):
+    if name in (*_KV_REGIONS, RegionName.INDEXER):
         tok = kv_page_tokens(spec.page_size, cp, c, lay.cp_kv)
-        tdim = 2 if name is RegionName.KV else 1
+        tdim = 1 if name is RegionName.INDEXER else 2
         part = part.narrow(tdim, tok[0], tok[1] - tok[0])
-    if name is RegionName.KV:
+    if name in _KV_REGIONS:
         assert spec.kv is not None
         if not spec.kv.mla:
             h0, h1 = kv_head_range(NUM_HEADS_Q, spec.kv.num_kv_heads, tp, t)
