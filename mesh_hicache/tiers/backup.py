@@ -96,6 +96,8 @@ class BackupQueue:
         self._stats = stats
         self._backups: deque[_Backup] = deque()
         self._writes: deque[_StorageWrite] = deque()
+        self._unsettled: set[int] = set()
+        """Host pages of the backups not yet consumed: their copies may be incomplete."""
         self.value_gate = False
         """Whether write-back asks ``worth_host`` first (tests and benchmarks may set it;
         the same on every rank)."""
@@ -192,6 +194,7 @@ class BackupQueue:
         for n in held:
             lease.hold(n)
         handle = self._engine.backup((dev_pages, got.pages), (dev_slots, got.slots))
+        self._unsettled.update(got.pages)
         nbytes = len(dev_pages) * self._layout.page_bytes + len(dev_slots) * self._layout.slot_bytes
         self._backups.append(_Backup(handle, held, lease, got.pages, got.slots, nbytes))
         if wait:
@@ -237,6 +240,7 @@ class BackupQueue:
 
     def _finish_backup(self, b: _Backup, ok: bool) -> None:
         b.lease.unlock()
+        self._unsettled.difference_update(b.host_pages)
         self._stats.record_backup(ok, b.num_bytes)
         if not ok:
             logger.warning(
@@ -246,9 +250,14 @@ class BackupQueue:
             self._undo(b)
             return
         if self._l3 is not None:
-            self._writes.append(_StorageWrite(self._l3.write(self._holders(b)), b.lease))
+            future = self._l3.write(self._holders(b), self._settled)
+            self._writes.append(_StorageWrite(future, b.lease))
             return
         b.lease.release_host()
+
+    def _settled(self, host_page: int) -> bool:
+        """Whether ``host_page`` holds a finished copy (no backup still writes it)."""
+        return host_page not in self._unsettled
 
     def _holders(self, b: _Backup) -> list[TreeNode]:
         """The nodes holding ``b``'s host pages or slots now: a node split while the copy

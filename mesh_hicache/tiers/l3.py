@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -122,12 +122,18 @@ class StorageTier:
 
     # -- writes (l3-write thread) ---------------------------------------------------------
 
-    def write(self, nodes: Sequence[TreeNode]) -> Future[int]:
+    def write(
+        self, nodes: Sequence[TreeNode], settled: Callable[[int], bool] = lambda page: True
+    ) -> Future[int]:
         """Start writing what this rank is the elected writer of for ``nodes`` (their
-        host pages and host states). The host rows must stay valid until the future is
-        done (the caller keeps the nodes host-protected). Resolves to the bytes written."""
+        host pages and host states), and the windowed pages a resume at each node's start
+        needs from its ancestors' host copies (``WindowRule.start_pages``) where
+        ``settled(host_page)`` says that copy is complete; those are stored unless present.
+        The host rows must stay valid until the future is done (the caller keeps the nodes'
+        paths host-protected). Resolves to the bytes written."""
         keys: list[StorageKey] = []
         rows: list[torch.Tensor] = []
+        unless_present: dict[StorageKey, torch.Tensor] = {}
         for n in nodes:
             for region in self._paged:
                 if not region.is_writer or n.host_indices is None:
@@ -136,6 +142,11 @@ class StorageTier:
                 if region.name is RegionName.KV_WINDOW:
                     assert self._window is not None
                     offsets = self._window.write_offsets(n)
+                    for owner, i in self._window.start_pages(n):
+                        page = owner.host_indices[i] if owner.host_indices is not None else None
+                        if page is not None and settled(page):
+                            key = self.key(region, owner.hashes[i])
+                            unless_present[key] = self._host.row(region.name, page)
                 for i in offsets:
                     keys.append(self.key(region, n.hashes[i]))
                     rows.append(self._host.row(region.name, n.host_indices[i]))
@@ -144,12 +155,25 @@ class StorageTier:
                     if region.is_writer:
                         keys.append(self.key(region, n.last_hash))
                         rows.append(self._host.row(region.name, n.mamba_host_slot))
-        return self._writer.submit(self._put, keys, rows)
+        for key in keys:
+            unless_present.pop(key, None)
+        return self._writer.submit(self._put, keys, rows, unless_present)
 
-    def _put(self, keys: list[StorageKey], rows: list[torch.Tensor]) -> int:
-        if not keys:
-            return 0
+    def _put(
+        self,
+        keys: list[StorageKey],
+        rows: list[torch.Tensor],
+        unless_present: dict[StorageKey, torch.Tensor],
+    ) -> int:
         try:
+            if unless_present:
+                maybe = list(unless_present)
+                for key, there in zip(maybe, self.backend.exists_each(maybe), strict=True):
+                    if not there:
+                        keys.append(key)
+                        rows.append(unless_present[key])
+            if not keys:
+                return 0
             flags = self.backend.put(keys, rows)
         except Exception as err:  # nobody reads the future's error: count and log it here
             self._stats.record_write_error()

@@ -8,10 +8,13 @@ stores a ``kv_window`` page object only where a boundary needs it:
   resume at its end needs, and those that a resume at every multiple of
   ``checkpoint_tokens`` inside or just past it needs. The checkpoints depend on the page
   index alone, so whatever way the tree splits a path later, a boundary at each checkpoint
-  finds its windowed pages; a node end created by a later split may not, and an L3 hit
-  there falls back to the deepest boundary that does (at most ``checkpoint_tokens``
-  shorter). ``checkpoint_tokens=0`` stores every page. A node whose windowed K/V has
-  gaps (it came from L3 itself, ``TreeNode.window_missing``) writes none.
+  finds its windowed pages. A node end created by a later split (a branch point) gets
+  them when a node below it is written (:meth:`WindowRule.start_pages`: the pages a
+  resume at the written node's start needs, read from its ancestors' host copies and
+  stored unless present); until then an L3 hit there falls back to the deepest boundary
+  that has them (at most ``checkpoint_tokens`` shorter). ``checkpoint_tokens=0`` stores
+  every page. A node whose windowed K/V has gaps (it came from L3 itself,
+  ``TreeNode.window_missing``) writes none.
 - **hit** (:meth:`WindowRule.limit`, :meth:`WindowRule.resumes`): an L3 hit ends at the
   deepest boundary at which every page a resume needs is present (in L3, or before the
   hit's start in the tree), and before the first checkpoint whose pages L3 lacks (so a
@@ -57,6 +60,7 @@ class WindowRule:
         self.checkpoint_tokens = checkpoint_tokens
         self._step = checkpoint_tokens or page_size
         self._reach = max(g.window for g in self.groups)
+        self._sink_pages = -(-max(g.sink_tokens for g in self.groups) // page_size)
 
     def needed(self, boundary: int) -> frozenset[int]:
         """Pages (absolute) of any group that a resume at ``boundary`` tokens needs."""
@@ -85,6 +89,25 @@ class WindowRule:
         pages = self.checkpoint_pages(first, last, last * self.page_size + self._reach)
         pages.update(p for p in self.needed(node.prefix_len) if p >= first)
         return tuple(p - first for p in sorted(pages))
+
+    def start_pages(self, node: TreeNode) -> list[tuple[TreeNode, int]]:
+        """The windowed pages a resume at ``node``'s start (its parent's end) needs that
+        lie in its ancestors, are not sinks and that no checkpoint needs (those are stored
+        with their node), as ``(ancestor, offset)``; pages an ancestor lacks are left out."""
+        start = node.prefix_len - node.num_tokens
+        first = start // self.page_size
+        pages = set(self.needed(start)) - self.checkpoint_pages(0, first, start + self._reach)
+        pages = {p for p in pages if p >= self._sink_pages}
+        out: list[tuple[TreeNode, int]] = []
+        owner = node.parent
+        while pages and owner is not None and not owner.is_sentinel:
+            first -= owner.num_pages
+            for p in sorted(q for q in pages if q >= first):
+                if p - first not in owner.window_missing:
+                    out.append((owner, p - first))
+                pages.discard(p)
+            owner = owner.parent
+        return out
 
     def limit(self, start_page: int, candidates: int, present: Callable[[int], bool]) -> int:
         """``candidates`` cut back before the first checkpoint past ``start_page`` whose

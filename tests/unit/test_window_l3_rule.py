@@ -77,6 +77,61 @@ def test_checkpoints_survive_any_split(case: str, every: int) -> None:
             assert stored == set(range(total))
 
 
+def chain(cuts: list[int], total: int, missing: dict[int, frozenset[int]]) -> list[SimpleNamespace]:
+    """The nodes of one path split at ``cuts`` (pages), each linked to its parent."""
+    parent = SimpleNamespace(is_sentinel=True, parent=None)
+    out = []
+    for a, b in zip([0, *cuts], [*cuts, total], strict=True):
+        n = node(a, b - a, missing.get(a, frozenset()))
+        n.parent, n.is_sentinel = parent, False
+        out.append(n)
+        parent = n
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(GROUPS))
+@pytest.mark.parametrize("every", [0, 8, 16, 28])
+def test_a_branch_point_is_stored_with_the_node_below_it(case: str, every: int) -> None:
+    """A path written as some nodes and later split elsewhere: writing each later node's
+    ``start_pages`` as well stores what a resume at every later node end needs; a start
+    page is one the checkpoints do not store, located in its owner, and never a page the
+    owner lacks."""
+    groups = GROUPS[case]
+    rule = WindowRule(groups, PS, every)
+    rng = random.Random(100 + every)
+
+    def random_cuts(total: int) -> list[int]:
+        return sorted(rng.sample(range(1, total), rng.randrange(0, min(5, total - 1) + 1)))
+
+    for _ in range(40):
+        total = rng.randrange(1, 30)
+        stored: set[int] = set()
+        for n in chain(random_cuts(total), total, {}):
+            first = n.prefix_len // PS - n.num_pages
+            stored |= {first + o for o in rule.write_offsets(n)}
+        cuts = random_cuts(total)
+        lacks = {
+            a: frozenset({rng.randrange(b - a)})
+            for a, b in zip([0, *cuts], cuts, strict=False)
+            if rng.random() < 0.2
+        }
+        nodes = chain(cuts, total, lacks)
+        firsts = {id(n): n.prefix_len // PS - n.num_pages for n in nodes}
+        sinks = {t // PS for g in groups for t in range(g.sink_tokens)}
+        kept = rule.checkpoint_pages(0, total, total * PS + 12) | sinks
+        for n in nodes:
+            start = n.prefix_len - n.num_tokens
+            got = {firsts[id(owner)] + o for owner, o in rule.start_pages(n)}
+            for owner, o in rule.start_pages(n):
+                assert 0 <= o < owner.num_pages and o not in owner.window_missing
+            absent = {firsts[id(m)] + o for m in nodes for o in m.window_missing}
+            assert got == oracle_needed(start, groups) - kept - absent, (cuts, start)
+            stored |= got
+        if not lacks:
+            for b in cuts:
+                assert oracle_needed(b * PS, groups) <= stored, (cuts, b)
+
+
 def test_deepest_falls_back_to_a_checkpoint() -> None:
     rule = WindowRule(GROUPS["window6"], PS, checkpoint_tokens=16)
     stored = {2, 3, 6, 7, 8, 9}  # the one node [0, 40) above

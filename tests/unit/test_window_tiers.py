@@ -124,3 +124,34 @@ def test_a_lost_windowed_object_only_shortens_the_hit(make_cache, tmp_path):
     got = serve(reader, A)  # stops before the checkpoint at 32: back to 16
     assert got.hit.storage_tokens == 16 and got.mismatches == 0
     reader.check_integrity()
+
+
+def branch_point_objects(make_cache, root: Path, settled: bool = True) -> set[str]:
+    """Serve A, write it, then B (which splits A's node at 28) and write it: the page
+    hashes of the windowed objects stored. ``settled=False``: every host copy reads as
+    still being copied, so no ancestor page is written."""
+    cache = make_cache(root, window_checkpoint_tokens=16)
+    if not settled:
+        cache._ctl.backups._settled = lambda page: False
+    serve(cache, A)
+    cache.flush()  # A is written as one node: its end is 40
+    serve(cache, B)  # splits A's node at 28 and writes B's [28, 40) below it
+    cache.flush()
+    cache.close()
+    return {h for r, h, _ in stored_objects(root) if r == "kv_window"}
+
+
+def test_a_branch_point_is_stored_when_a_node_below_it_is_written(make_cache, tmp_path):
+    root = tmp_path / "l3"
+    stored = branch_point_objects(make_cache, root)
+    # A's 6; B's own end and checkpoint pages 7, 8, 9; and page 5 for a resume at 28
+    # (page 6, the other one it needs, is the checkpoint at 32's and already stored).
+    assert len(stored) == 10 and hashes_of(A)[5].hex() in stored
+    reader = make_cache(root, window_checkpoint_tokens=16)
+    poison_free_device(reader)
+    got = serve(reader, A[:28] + list(range(900, 908)))  # without page 5: back to 16
+    assert got.hit.storage_tokens == 28 and got.served == (0, 0, 28) and got.mismatches == 0
+    reader.check_integrity()
+    # A copy still in flight is never read: page 5 then stays out.
+    unsettled = branch_point_objects(make_cache, tmp_path / "unsettled", settled=False)
+    assert unsettled == stored - {hashes_of(A)[5].hex()}
