@@ -104,11 +104,11 @@ class HiCacheConfig:
     hash, and is part of every storage key (L3): tenants never read each other's entries.
     Any string without the reserved character ``"\x1f"``."""
     window_checkpoint_tokens: int = 2048
-    """Sliding-window models: L3 stores a windowed layer's K/V page only where a resume
-    needs it, i.e. within the window before each written node's end and before every
-    multiple of this many tokens. An L3 hit can then end up to this many tokens before the
-    full-attention match (at a boundary whose window was not stored). 0 stores every page.
-    A multiple of the page size (checked when the cache is built)."""
+    """Sliding-window models: L2 and L3 keep a windowed layer's K/V page only where a
+    resume needs it, i.e. within the window before each backed-up node's end and before
+    every multiple of this many tokens. A hit from L2 or L3 can then end up to this many
+    tokens before the full-attention match (at a boundary whose window was not kept).
+    0 keeps every page. A multiple of the page size (checked when the cache is built)."""
     layout_version: int = 1
     """Bumped whenever the stored byte layout changes; part of every storage key."""
     eviction_policy: EvictionPolicyKind | str | EvictionPolicy = EvictionPolicyKind.LRU

@@ -101,7 +101,11 @@ class HiCacheController:
         if config.enable_host:
             host_bytes = config.host_arena_bytes()
             if host_bytes:
-                plan = agreed_plan(self.layout, host_bytes, self.agree, config.block_bytes)
+                # L2 holds windowed pages apart from pages (pools/host.py): windows are
+                # items of their own in the host arena.
+                plan = agreed_plan(
+                    self.layout, host_bytes, self.agree, config.block_bytes, separate_windows=True
+                )
                 self.host = HostPools(self.layout, topology=topology, arena=plan)
             else:
                 self.host = HostPools(
@@ -162,12 +166,13 @@ class HiCacheController:
             self.layout,
             self.agree,
             self.stats,
+            window,
         )
         self.loader = Loader(
-            self.engine, self.tree, self.alloc, self.layout, self.agree, self.stats
+            self.engine, self.tree, self.alloc, self.layout, self.agree, self.stats, self.device
         )
         self.requests = RequestFlow(
-            self.tree, self.alloc, self.backups, self.loader, self.l3, self.stats
+            self.tree, self.alloc, self.backups, self.loader, self.l3, self.stats, self.device
         )
         self.agree.operation = "agree"
 
@@ -258,6 +263,7 @@ class HiCacheController:
             mamba_device=usage(self.device.slot_allocator, held_slots),
             mamba_host=usage(host.slot_allocator) if host is not None else None,
         )
+        self.alloc.check_windows()
         for pools in (self.device, host):
             if pools is not None and pools.arena is not None:
                 pools.arena.check_integrity()  # blocks: free runs + extents tile the arena

@@ -213,6 +213,20 @@ class StateLayout:
         """Bytes of one Mamba state slot over every held slot region (0 without Mamba)."""
         return sum(r.row_bytes for r in self.held_regions(paged=False))
 
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of one page of the sliding-window layers held here (its ``kv_window``
+        row; 0 without them). Part of ``page_bytes`` on device; on host its own row."""
+        return sum(
+            r.row_bytes for r in self.held_regions(paged=True) if r.name is RegionName.KV_WINDOW
+        )
+
+    def copy_bytes(self, pages: int, slots: int, windows: int = 0) -> int:
+        """Bytes a device <-> host copy moves: ``pages`` pages of the other paged regions,
+        ``slots`` states and ``windows`` windowed pages (``kv_window`` rows)."""
+        w = self.window_bytes
+        return pages * (self.page_bytes - w) + slots * self.slot_bytes + windows * w
+
     # -- construction -----------------------------------------------------------------------
 
     def _position(self) -> RankPosition:

@@ -71,19 +71,25 @@ int mh_chain(const unsigned char *prefix, const unsigned char *parent,
 }
 
 /* Segments [s0, s1) of a table of rows of 6 int64 (device address, device stride, host
-   address, host stride, row bytes, 1 if indexed by pages else 0): for each, row
-   dev[i] <-> host[i] of the page pairs (pages: np device indices, then np host indices)
-   or slot pairs (slots: ns + ns), device -> host when backup. Index pair by index pair,
-   every segment of it (one page's rows of consecutive segments are one block of the
-   page-first host pool); a run of pairs consecutive on both sides is one memcpy in a
-   segment whose rows are contiguous on both sides. Indices were checked by the caller. */
+   address, host stride, row bytes, index kind: 0 pages, 1 slots, 2 windows): for each, row
+   dev[i] <-> host[i] of the index pairs of its kind (pages: np device indices, then np
+   host indices; slots: ns + ns; windows: nw + nw), device -> host when backup. Kind by
+   kind, index pair by index pair, every segment of it (one page's rows of consecutive
+   segments are one block of the page-first host pool); a run of pairs consecutive on both
+   sides is one memcpy in a segment whose rows are contiguous on both sides. Indices were
+   checked by the caller. */
 void mh_copy_segments(const long long *table, size_t s0, size_t s1, const long long *pages,
-                      size_t np, const long long *slots, size_t ns, int backup) {
+                      size_t np, const long long *slots, size_t ns, const long long *windows,
+                      size_t nw, int backup) {
+    const long long *index[3];
+    size_t count[3];
     size_t s, i, j, k;
-    int paged;
-    for (paged = 1; paged >= 0; paged--) {
-        const long long *d = paged ? pages : slots;
-        size_t n = paged ? np : ns;
+    int kind;
+    index[0] = pages; index[1] = slots; index[2] = windows;
+    count[0] = np; count[1] = ns; count[2] = nw;
+    for (kind = 0; kind < 3; kind++) {
+        const long long *d = index[kind];
+        size_t n = count[kind];
         const long long *h = d + n;
         for (i = 0; i < n; i = j) {
             for (j = i + 1; j < n && d[j] == d[j - 1] + 1 && h[j] == h[j - 1] + 1; j++) {}
@@ -91,7 +97,7 @@ void mh_copy_segments(const long long *table, size_t s0, size_t s1, const long l
                 const long long *t = table + 6 * s;
                 char *a, *b;
                 size_t row = (size_t)t[4];
-                if (t[5] != paged) continue;
+                if (t[5] != kind) continue;
                 a = (char *)(size_t)t[0] + d[i] * t[1];
                 b = (char *)(size_t)t[2] + h[i] * t[3];
                 if ((size_t)t[1] == row && (size_t)t[3] == row) {
@@ -104,6 +110,13 @@ void mh_copy_segments(const long long *table, size_t s0, size_t s1, const long l
             }
         }
     }
+}
+
+/* The same for a table without windows (no kind 2): two arguments fewer per call. */
+void mh_copy_page_segments(const long long *table, size_t s0, size_t s1,
+                           const long long *pages, size_t np, const long long *slots,
+                           size_t ns, int backup) {
+    mh_copy_segments(table, s0, s1, pages, np, slots, ns, 0, 0, backup);
 }
 
 /* memcpy(dst[i], src[i], size[i]) for i < n: the rows of one transfer (never overlapping:
@@ -243,7 +256,9 @@ def _build() -> ctypes.CDLL | None:
     dll.mh_copy_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_size_t]
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     dll.mh_copy_segments.restype = None
-    dll.mh_copy_segments.argtypes = [vp, sz, sz, vp, sz, vp, sz, ctypes.c_int]
+    dll.mh_copy_segments.argtypes = [vp, sz, sz, vp, sz, vp, sz, vp, sz, ctypes.c_int]
+    dll.mh_copy_page_segments.restype = None
+    dll.mh_copy_page_segments.argtypes = [vp, sz, sz, vp, sz, vp, sz, ctypes.c_int]
     return dll
 
 
@@ -282,16 +297,22 @@ def row_copier() -> Callable[[int, int, int, int], None] | None:
     return None if dll is None else dll.mh_copy_rows
 
 
-def segment_copier() -> Callable[..., None] | None:
-    """``copy(table, s0, s1, pages, np, slots, ns, backup)``: every row of segments
-    ``[s0, s1)`` of a ``[S, 6]`` int64 table (device address, device stride, host address,
-    host stride, row bytes, paged) for the ``np`` page pairs at ``pages`` (an int64 block:
-    device indices, then host indices) and the ``ns`` slot pairs at ``slots``, in one
-    native call with the GIL released; runs consecutive on both sides are one copy where
-    the segment's rows are contiguous on both sides. None when unavailable. Raw memory:
-    the caller checked every index."""
+def segment_copier(windows: bool = True) -> Callable[..., None] | None:
+    """``copy(table, s0, s1, pages, np, slots, ns, windows, nw, backup)``: every row of
+    segments ``[s0, s1)`` of a ``[S, 6]`` int64 table (device address, device stride, host
+    address, host stride, row bytes, index kind: 0 pages, 1 slots, 2 windows) for the
+    index pairs of each segment's kind: the ``np`` page pairs at ``pages`` (an int64
+    block: device indices, then host indices), the ``ns`` slot pairs at ``slots`` and the
+    ``nw`` window pairs at ``windows``, in one native call with the GIL released; runs
+    consecutive on both sides are one copy where the segment's rows are contiguous on
+    both sides. None when unavailable. Raw memory: the caller checked every index.
+
+    ``windows=False``: ``copy(table, s0, s1, pages, np, slots, ns, backup)`` for a table
+    without window segments (each argument costs ``ctypes`` a conversion per call)."""
     dll = _lib.get()
-    return None if dll is None else dll.mh_copy_segments
+    if dll is None:
+        return None
+    return dll.mh_copy_segments if windows else dll.mh_copy_page_segments
 
 
 def _build_pack() -> Callable[[object], bytes | None] | None:

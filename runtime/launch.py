@@ -268,10 +268,16 @@ def _join_world(backend: str, timeout: timedelta, config: dict[str, str]) -> Non
     store.set(keys[rank], "1")
     store.wait(keys)  # a DistStoreError naming the missing ranks after ``startup``
     configs = [json.loads(store.get(f"{prefix}/config/{r}")) for r in range(world)]
-    # Every rank has read every config before any leaves (rank 0 may host the store).
+    # Every rank has read every config before any leaves (rank 0 may host the store),
+    # and rank 0 leaves only once every rank is past that wait: a rank still waiting on a
+    # store that closed fails with a connection error instead of the disagreement.
     checked = [f"{prefix}/checked/{r}" for r in range(world)]
     store.set(checked[rank], "1")
     store.wait(checked)
+    passed = [f"{prefix}/passed/{r}" for r in range(world)]
+    store.set(passed[rank], "1")
+    if rank == 0:
+        store.wait(passed)
     difference = first_difference(configs)
     if difference is not None:
         raise LaunchError(difference, everywhere=True)

@@ -71,16 +71,22 @@ def region_objects(root: str) -> dict[str, int]:
 
 
 def replay(cache: HiCache, trace: list[Any]) -> dict[str, float]:
+    """The trace through ``cache``: its token hit rate and the share of the input tokens
+    served from each tier."""
     player = Replayer(cache)
-    inputs = reused = storage = 0
+    inputs = reused = 0
+    tiers = [0, 0, 0]
     for req in trace:
         served = player.serve(req.input_tokens, req.output_tokens)
         inputs += served.input_tokens
         reused += served.reused_tokens
-        storage += served.reused[2]
+        tiers = [t + r for t, r in zip(tiers, served.reused, strict=True)]
+    share = [t / inputs if inputs else 0.0 for t in tiers]
     return {
         "token_hit_rate": reused / inputs if inputs else 0.0,
-        "storage_share": storage / inputs if inputs else 0.0,
+        "device_share": share[0],
+        "host_share": share[1],
+        "storage_share": share[2],
     }
 
 
@@ -168,12 +174,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def checkpoint_values(args: argparse.Namespace) -> list[int]:
+    """The ``--checkpoints`` values, with ``0`` (every windowed page kept: the baseline)."""
+    values = [int(v) for v in args.checkpoints.split(",")]
+    return values if 0 in values else [0, *values]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     trace = trace_of(args)
-    values = [int(v) for v in args.checkpoints.split(",")]
-    if 0 not in values:
-        values.insert(0, 0)  # the baseline: every windowed page stored
+    values = checkpoint_values(args)
     runs = [run(args, trace, v) for v in values]
     base = runs[values.index(0)]
     if args.cap_fraction > 0:

@@ -84,7 +84,7 @@ def resume_scenarios(
     root = root or tempfile.mkdtemp(prefix="mh_engine_")
     pools: dict[str, int] = dict(device_pages=12, device_mamba_slots=8, host_pages=128)
     if budget:
-        page, state = ArenaPlan.item_bytes(StateLayout(spec, topology, cp_kv))
+        page, state, _ = ArenaPlan.item_bytes(StateLayout(spec, topology, cp_kv))
         pools = dict(device_bytes=12 * page + 2 * state, host_bytes=128 * page + 32 * state)
     cfg = HiCacheConfig(
         **pools,

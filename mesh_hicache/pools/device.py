@@ -22,6 +22,8 @@ Two layouts, same accessors:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mesh_hicache.layout import RegionName, StateLayout
@@ -89,9 +91,14 @@ class DevicePools:
 
     def _init_arena(self, plan: ArenaPlan) -> None:
         layout = self.layout
+        if plan.window_bytes:  # kv_window is indexed by page ids here
+            raise ValueError(
+                f"a device arena keeps kv_window in its pages: window_bytes must be 0, "
+                f"got {plan.window_bytes}"
+            )
         self.arena = BlockArena(plan)
         self.page_allocator, self.slot_allocator = self.arena.pages, self.arena.slots
-        self.num_pages, self.num_slots = plan.num_ids(True), plan.num_ids(False)
+        self.num_pages, self.num_slots = plan.num_ids("page"), plan.num_ids("slot")
         buffer = torch.zeros(plan.nbytes, dtype=torch.uint8, device=self.device)
         views: dict[RegionName, torch.Tensor] = {}
         for region in layout.regions:
@@ -127,6 +134,22 @@ class DevicePools:
         """The K/V tensor holding ``layer_id`` (windowed or full) and the layer's row in it."""
         row = self._row(Family.KV, layer_id)
         return (self._kv_window if layer_id in self._window_ids else self._kv), row
+
+    def clear_window_pages(self, pages: Sequence[int]) -> None:
+        """Zero the windowed layers' K/V of device ``pages``: a page loaded from a host
+        copy that lacks it (no resume reads it, but attention must not meet stale or
+        non-finite values there)."""
+        if pages and self._kv_window.numel():
+            self._kv_window.index_fill_(2, self._ids(pages), 0)
+
+    def copy_window_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the windowed layers' K/V of device pages ``src`` to pages ``dst``."""
+        if src and self._kv_window.numel():
+            rows = self._kv_window.index_select(2, self._ids(src))
+            self._kv_window.index_copy_(2, self._ids(dst), rows)
+
+    def _ids(self, pages: Sequence[int]) -> torch.Tensor:
+        return torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
 
     def _row(self, family: Family, layer_id: int) -> int:
         try:

@@ -10,7 +10,10 @@ of it. Every mutation here keeps:
   parent is a sentinel);
 - a Mamba state belongs to the node's last token; on a split it stays with the deeper part;
 - ``lock_ref`` / ``host_ref`` count protections of the whole path to the root;
-- ``window_missing`` offsets lie inside the node and follow its pages on a split;
+- ``window_missing`` / ``host_window_missing`` offsets lie inside the node and follow its
+  pages on a split; ``host_window_missing`` is empty without a host copy, and a node
+  without a device copy has ``window_missing == host_window_missing`` (the gaps are kept
+  per tier: ``window_missing`` is always the gaps of the copy a match reads);
 - a node is in an eviction queue exactly when it is a candidate for that target.
 
 Positions inside packed data are byte offsets (8 bytes per token); ``self._page_bytes`` is
@@ -143,7 +146,7 @@ class TreeCore:
         return out
 
     def _check_missing(self, pages: Iterable[int], first: int, num_pages: int) -> frozenset[int]:
-        """``window_missing`` of an insert: page indices of the key in ``[first, num_pages)``
+        """``window_missing`` of an insert or attach: page indices in ``[first, num_pages)``
         (the pages given), only in a tree with ``windows``."""
         out = page_set(map(operator.index, pages))
         if out and not self.windows:
@@ -227,7 +230,7 @@ class TreeCore:
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` bytes; returns the new upper node. The Mamba state
         stays with ``child`` (the deeper part), protections and stats are copied up,
-        ``window_missing`` is divided between the parts."""
+        ``window_missing`` and ``host_window_missing`` are divided between the parts."""
         pb = self._page_bytes
         j = m // pb
         parent = child.parent
@@ -242,10 +245,17 @@ class TreeCore:
             child.host_indices = child.host_indices[j:]
         if child._hashes is not None:
             upper._hashes, child._hashes = child._hashes[:j], child._hashes[j:]
-        missing = child.window_missing
+        missing, host_missing = child.window_missing, child.host_window_missing
         if missing:
             upper.window_missing = page_set(p for p in missing if p < j)
             child.window_missing = page_set(p - j for p in missing if p >= j)
+        if host_missing:
+            if host_missing is missing:  # a host-only node: one set serves both names
+                upper.host_window_missing = upper.window_missing
+                child.host_window_missing = child.window_missing
+            else:
+                upper.host_window_missing = page_set(p for p in host_missing if p < j)
+                child.host_window_missing = page_set(p - j for p in host_missing if p >= j)
         upper.lock_ref = child.lock_ref
         upper.host_ref = child.host_ref
         upper.hit_count = child.hit_count
@@ -260,26 +270,41 @@ class TreeCore:
         return upper
 
     @staticmethod
-    def _add_missing(node: TreeNode, missing: frozenset[int], lo: int, hi: int) -> None:
-        """Union into ``node.window_missing`` the pages ``missing`` of a key whose pages
-        ``[lo, hi)`` the node holds (a copy of them was just attached)."""
-        inside = [p - lo for p in missing if lo <= p < hi]
-        if inside:
-            node.window_missing = node.window_missing.union(inside)
+    def _pages_in(missing: frozenset[int], lo: int, hi: int) -> frozenset[int]:
+        """The pages ``missing`` of a key that lie in ``[lo, hi)``, as offsets from ``lo``
+        (the gaps of a node holding the key's pages ``[lo, hi)``)."""
+        return page_set(p - lo for p in missing if lo <= p < hi)
 
     # -------------------------------------------------------- tier transitions
 
-    def attach(self, node: TreeNode, tier: Tier, family: Family, indices: Sequence[int]) -> None:
+    def attach(
+        self,
+        node: TreeNode,
+        tier: Tier,
+        family: Family,
+        indices: Sequence[int],
+        window_missing: Iterable[int] = (),
+    ) -> None:
         """Record a copy of ``node`` on ``tier``: its KV pages (``indices``: one page per page
         of the node) or its recurrent state (``indices``: one slot). After a backup
         (host) or a load (device). ValueError if the node already has that copy, if a
         device KV copy would hang below a parent that is not on device (load a path
         top-down), or for a state in a tree without Mamba.
+
+        ``window_missing`` (KV, a tree with ``windows``): offsets of the node's pages
+        (0 = its first) whose windowed K/V the new copy lacks. A host copy (a backup,
+        which may keep only the windowed pages a resume needs) records them as
+        ``host_window_missing``; a match keeps reading the device copy's gaps. A device
+        copy (a load from the host copy) lacks them and the host copy's gaps too: the
+        device rows of pages the host never held are not valid.
         """
         self._check_node(node)
         tier, family = Tier(tier), Family(family)
         what = f"attach({tier.value}, {family.value})"
+        missing = self._check_missing(window_missing, 0, node.num_pages)
         if family is Family.STATE:
+            if missing:
+                raise ValueError(f"{what}: window_missing is for KV copies, got {sorted(missing)}")
             self._check_state_family()
             if len(indices) != 1:
                 raise ValueError(f"{what}: a state takes one slot, got {indices!r}")
@@ -298,17 +323,42 @@ class TreeCore:
                 raise ValueError(f"{what}: the parent of {node!r} is not on device")
         idx = self._check_indices(f"{tier.value} indices", indices, node.num_pages)
         self._attach(node, tier, family, idx)
+        if tier is Tier.HOST:
+            node.host_window_missing = missing
+            if node.device_indices is None:
+                node.window_missing = missing
+        else:
+            host_missing = node.host_window_missing
+            node.window_missing = host_missing.union(missing) if missing else host_missing
+
+    def fill_window(self, node: TreeNode, tier: Tier, offsets: Iterable[int]) -> None:
+        """Record that ``node``'s copy on ``tier`` now holds the windowed K/V of its pages
+        ``offsets`` (copied there later: a branch point's window backed up to host, or a
+        request's recomputed pages into a device copy that lacked them). Offsets the copy
+        held already are fine. ValueError without that copy or for offsets outside the
+        node."""
+        self._check_node(node)
+        tier = Tier(tier)
+        if (node.device_indices if tier is Tier.DEVICE else node.host_indices) is None:
+            raise ValueError(f"fill_window: {node!r} has no {tier.value} copy")
+        filled = self._check_missing(offsets, 0, node.num_pages)
+        if tier is Tier.HOST:
+            node.host_window_missing = page_set(node.host_window_missing - filled)
+        if tier is Tier.DEVICE or node.device_indices is None:
+            gaps = node.host_window_missing if tier is Tier.HOST else node.window_missing
+            node.window_missing = page_set(gaps - filled)
 
     def detach(
         self, node: TreeNode, tier: Tier, family: Family, invalid: bool = False
     ) -> tuple[int, ...]:
         """Drop the copy of ``node`` on ``tier``; returns its pages (KV) or ``(slot,)``.
 
-        KV device: the node must be unlocked, host-backed and have no child on device.
+        KV device: the node must be unlocked, host-backed and have no child on device;
+        its ``window_missing`` becomes the host copy's (what a match reads now).
         KV host: the node must also have a device copy and not be host-protected, unless
         ``invalid`` (the host copy never held valid data, its backup failed, so no reader
-        can rely on it). State: never removes the node (a childless tombstone goes at a
-        later eviction). ValueError otherwise.
+        can rely on it); ``host_window_missing`` is cleared. State: never removes the
+        node (a childless tombstone goes at a later eviction). ValueError otherwise.
         """
         self._check_node(node)
         tier, family = Tier(tier), Family(family)
@@ -349,19 +399,25 @@ class TreeCore:
         self, node: TreeNode, tier: Tier, family: Family, requeue: bool = True
     ) -> tuple[int, ...]:
         """Drop (tier, family) of ``node``; returns the pages, or the one slot. Unchecked.
-        ``requeue=False``: the caller updates the queues itself (a node being removed)."""
+        ``requeue=False``: the caller updates the queues itself (a node being removed).
+        Dropping a KV copy drops its windowed-K/V gaps: without the device copy a match
+        reads the host copy's."""
         attr, total = _FIELDS[(tier, family)]
         value = getattr(node, attr)
         assert value is not None
         setattr(node, attr, None)
         out: tuple[int, ...] = value if family is Family.KV else (value,)
         setattr(self, total, getattr(self, total) - len(out))
-        if tier is Tier.DEVICE and family is Family.KV:
-            parent = node.parent
-            assert parent is not None
-            parent.num_device_children -= 1
-            if requeue:
-                self._queues.update(parent)
+        if family is Family.KV:
+            if tier is Tier.DEVICE:
+                node.window_missing = node.host_window_missing
+                parent = node.parent
+                assert parent is not None
+                parent.num_device_children -= 1
+                if requeue:
+                    self._queues.update(parent)
+            else:
+                node.host_window_missing = NO_PAGES
         if requeue:
             self._queues.update(node)
         return out

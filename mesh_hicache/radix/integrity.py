@@ -46,6 +46,8 @@ def digest(tree: TreeCore) -> str:
                 )
                 if node.window_missing:
                     h.update(f"gaps={sorted(node.window_missing)}\n".encode())
+                if node.host_window_missing:
+                    h.update(f"host_gaps={sorted(node.host_window_missing)}\n".encode())
             for k in sorted(node.children, reverse=True):
                 stack.append((node.children[k], depth + 1))
     return h.hexdigest()
@@ -78,10 +80,21 @@ def _check_node(tree: TreeCore, node: TreeNode, parent: TreeNode, key: bytes, ns
         _fail(f"{node!r} is protected more than its parent {parent!r}")
     if not tree.has_mamba and node.has_mamba_state:
         _fail(f"{node!r} holds a Mamba state in a tree without Mamba")
-    if node.window_missing and not tree.windows:
-        _fail(f"{node!r} lacks windowed pages in a tree without windows")
-    if any(not 0 <= p < node.num_pages for p in node.window_missing):
-        _fail(f"{node!r} lacks windowed pages {sorted(node.window_missing)} outside its pages")
+    for name, gaps in (("", node.window_missing), ("host ", node.host_window_missing)):
+        if gaps and not tree.windows:
+            _fail(f"{node!r} lacks {name}windowed pages in a tree without windows")
+        if any(not 0 <= p < node.num_pages for p in gaps):
+            _fail(f"{node!r} lacks {name}windowed pages {sorted(gaps)} outside its pages")
+    if node.host_window_missing and node.host_indices is None:
+        _fail(
+            f"{node!r} lacks host windowed pages {sorted(node.host_window_missing)} "
+            "without a host copy"
+        )
+    if node.device_indices is None and node.window_missing != node.host_window_missing:
+        _fail(
+            f"{node!r} is host-only but its gaps {sorted(node.window_missing)} are not its "
+            f"host copy's {sorted(node.host_window_missing)}"
+        )
     for problem in tree._queues.problems(node):
         _fail(f"{node!r}: {problem}")
     if node.hashes_known:

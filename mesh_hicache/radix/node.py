@@ -71,6 +71,7 @@ class TreeNode:
         "anchor_len",
         "state_access",
         "window_missing",
+        "host_window_missing",
     )
 
     def __init__(
@@ -119,8 +120,14 @@ class TreeNode:
         of the insert that gave it one): how recently the state itself was used."""
         self.window_missing = NO_PAGES
         """Page offsets inside the node (0 = its first page) whose windowed K/V (the
-        tree's ``windows`` groups) is absent from a tier copy: the union over the node's
-        copies, so a load from either tier is safe. Empty for almost every node."""
+        tree's ``windows`` groups) the copy a match reads lacks: the device copy's when
+        the node has one, else the host copy's (then equal to ``host_window_missing``).
+        Per tier, not a union over the copies: a host copy holding only the windowed
+        pages a resume needs must not cut hits served from a complete device copy."""
+        self.host_window_missing = NO_PAGES
+        """Page offsets inside the node whose windowed K/V its host copy lacks; empty
+        when it has no host copy. What a load to device starts from, and what
+        ``window_missing`` becomes when the device copy is dropped."""
 
     @property
     def num_tokens(self) -> int:
@@ -237,8 +244,8 @@ class MatchResult:
     nodes: tuple[TreeNode, ...]
     """Non-sentinel nodes from the root to ``last_node``, top-down."""
     window_missing: frozenset[int] = NO_PAGES
-    """Page indices of the usable prefix (0 = its first page) whose windowed K/V is
-    absent (``TreeNode.window_missing`` of ``nodes``); empty normally."""
+    """Page indices of the usable prefix (0 = its first page) whose windowed K/V the
+    returned copies lack (``TreeNode.window_missing`` of ``nodes``); empty normally."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@ bytes of their first page. The invariants are listed in core.py; ``check_integri
 Hit rule: with ``has_mamba`` the usable prefix of a match ends at the deepest node on the
 KV path that holds a Mamba state on some tier (length 0, the zero state, when none does).
 Without Mamba the usable prefix is the whole page-aligned KV match. With sliding-window
-groups (``windows``) and pages whose windowed K/V is absent (``TreeNode.window_missing``),
-the usable prefix ends where those rules allow and every windowed page a resume needs is
-present (window.py).
+groups (``windows``) and pages whose windowed K/V the copy a match reads lacks
+(``TreeNode.window_missing``; the gaps are kept per tier), the usable prefix ends where
+those rules allow and every windowed page a resume needs is present (window.py).
 
 Determinism: the tree never reads the wall clock, never uses ``hash()`` or set order for
 decisions. Accesses advance a logical clock; eviction order comes from the policy with the
@@ -72,9 +72,9 @@ class RadixTree(TreeCore):
 
         Window rule (a tree with ``windows`` whose path has nodes with ``window_missing``):
         the usable prefix ends at the deepest boundary that would be usable without the
-        rule (where the KV match ends, without Mamba, or a node end) at which every
-        windowed page a resume needs is present (``window.resumable``); a node is split
-        only where that boundary lies inside it.
+        rule (any page boundary of the match without Mamba, a node end holding a state
+        with it) at which every windowed page a resume needs is present
+        (``window.resumable``); a node is split where that boundary lies inside it.
         """
         end = self._key_end(key)
         root = self._roots.get(key.namespace)
@@ -86,6 +86,8 @@ class RadixTree(TreeCore):
         missing = NO_PAGES
         if cut is not None:
             partial, num_usable, missing = cut
+            if partial is not None:
+                del path[num_usable - 1 :]  # the node split below and what lies under it
         if partial is not None and not self.has_mamba:
             path.append(self._split(partial[0], partial[1]))
         if touch:
@@ -157,13 +159,15 @@ class RadixTree(TreeCore):
             starts.append(at // pb)
             at += len(node.data)
             ends.append(at >> 3)
-            if not self.has_mamba or node.has_mamba_state:
+            if self.has_mamba and node.has_mamba_state:
                 candidates.append(at >> 3)
         if tail is not None:
             assert partial is not None
             nodes.append(tail)
             starts.append(pos // pb)
-            candidates.append((pos + partial[1]) >> 3)
+            ends.append((pos + partial[1]) >> 3)
+        if not self.has_mamba:  # every page boundary of the match, deepest first
+            candidates = list(range(0, ends[-1] + 1, self.page_size)) if ends else []
         b, missing = deepest_window_end(
             starts,
             [n.window_missing for n in nodes],
@@ -171,10 +175,13 @@ class RadixTree(TreeCore):
             self.page_size,
             self.windows,
         )
-        if b << 3 > pos:  # inside the partial match: split there
-            assert tail is not None
-            return (tail, (b << 3) - pos), len(path) + 1, missing
-        return None, bisect.bisect_right(ends, b), missing
+        if b == 0:
+            return None, 0, missing
+        k = bisect.bisect_left(ends, b)  # the node the boundary lies in or ends
+        if k < len(path) and ends[k] == b:
+            return None, k + 1, missing
+        # Inside node k of the path, or in the partial match: split there.
+        return (nodes[k], (b - starts[k] * self.page_size) << 3), k + 1, missing
 
     def insert(
         self,
@@ -202,8 +209,12 @@ class RadixTree(TreeCore):
         is taken: every host index and slot comes back unused.
 
         ``window_missing`` (a tree with ``windows``): page indices of the key (0 = its first
-        page, each among the pages given) whose windowed K/V the given copies lack. Each
-        node that takes a copy adds those of its pages to ``TreeNode.window_missing``.
+        page, each among the pages given) whose windowed K/V the given copies lack. The
+        gaps are kept per tier and replace the node's: a node that takes the given device
+        pages gets those of its pages as ``TreeNode.window_missing`` (the device copy is
+        what a match reads: a host-only node with gaps whose pages a request recomputed
+        gets a complete device copy); a node that takes the given host pages gets them as
+        ``host_window_missing``, and as ``window_missing`` too when it has no device copy.
         """
         n = self._key_end(key)
         pb = self._page_bytes
@@ -255,13 +266,16 @@ class RadixTree(TreeCore):
                     unused_dev.extend(dev[lo:hi])
                 else:
                     self._attach(child, Tier.DEVICE, Family.KV, dev[lo:hi])
-                    self._add_missing(child, miss, lo, hi)
+                    child.window_missing = self._pages_in(miss, lo, hi) if miss else NO_PAGES
             if hst is not None and lo >= first:
                 if child.host_indices is not None:
                     unused_host.extend(hst[lo - first : hi - first])
                 else:
                     self._attach(child, Tier.HOST, Family.KV, hst[lo - first : hi - first])
-                    self._add_missing(child, miss, lo, hi)
+                    gaps = self._pages_in(miss, lo, hi) if miss else NO_PAGES
+                    child.host_window_missing = gaps
+                    if child.device_indices is None:
+                        child.window_missing = gaps
             self._touch(child, hit=False)
             node = child
             pos += m
@@ -278,7 +292,11 @@ class RadixTree(TreeCore):
                 self._attach(new, Tier.DEVICE, Family.KV, dev[num_existing:])
             if hst is not None:
                 self._attach(new, Tier.HOST, Family.KV, hst[num_existing - first :])
-            self._add_missing(new, miss, num_existing, num_pages)
+            if miss:  # every copy of a new node is a given one: the same gaps on each tier
+                gaps = self._pages_in(miss, num_existing, num_pages)
+                new.window_missing = gaps
+                if hst is not None:
+                    new.host_window_missing = gaps
             self._queues.update(node)
             node = new
         dev_taken = host_taken = False
@@ -325,10 +343,11 @@ class RadixTree(TreeCore):
     ) -> EvictResult:
         """Free at least ``num_pages`` device pages if possible (fewer if not enough are
         evictable). Victims are device leaves (no child on device), unlocked, in policy
-        order. A victim with a host copy becomes host-only; one without is first offered
-        to ``before_evict(node)`` (write-back: the callback backs it up and attaches the
-        host copy), and if it still has no host copy it is removed when childless and
-        unprotected (all its slots freed), else skipped. Mutates the tree.
+        order. A victim with a host copy becomes host-only (its ``window_missing`` the host
+        copy's); one without is first offered to ``before_evict(node)`` (write-back: the
+        callback backs it up and attaches the host copy), and if it still has no host copy
+        it is removed when childless and unprotected (all its slots freed), else skipped.
+        Mutates the tree.
         """
         freed = Freed()
         skipped: list[TreeNode] = []
@@ -479,10 +498,10 @@ class RadixTree(TreeCore):
         """Verify every invariant; raise RuntimeError naming the first violation.
 
         Checks structure (child keys, parent links, page counts, chained hashes where
-        computed, one KV copy at least, device prefix-closure, ``window_missing`` inside
-        the node), protections (counts >= 0, parent >= child), that every page/slot is
-        referenced by exactly one node, cached totals, and that the eviction queues hold
-        exactly the candidates, in order.
+        computed, one KV copy at least, device prefix-closure, ``window_missing`` and
+        ``host_window_missing`` inside the node and per tier), protections (counts >= 0,
+        parent >= child), that every page/slot is referenced by exactly one node, cached
+        totals, and that the eviction queues hold exactly the candidates, in order.
         For each pool given, also that tree-owned + free + held indices are exactly
         ``range(capacity)``, disjointly. Read-only; O(tree tokens); for tests and debugging.
         """

@@ -10,7 +10,6 @@ story and its agreements.
 from mesh_hicache.tiers.alloc import CacheFull, EvictHooks, HostReservation, TierAllocator
 from mesh_hicache.tiers.backup import BackupQueue
 from mesh_hicache.tiers.l3 import PREFETCH_BATCH_PAGES, Prefetch, PrefetchRules, StorageTier
-from mesh_hicache.tiers.l3_window import WindowRule
 from mesh_hicache.tiers.lease import Lease
 from mesh_hicache.tiers.load import Loader, PendingLoad
 from mesh_hicache.tiers.requests import (
@@ -19,6 +18,7 @@ from mesh_hicache.tiers.requests import (
     RequestLease,
     ServedTokens,
 )
+from mesh_hicache.tiers.window_rule import WindowRule
 
 __all__ = [
     "PREFETCH_BATCH_PAGES",

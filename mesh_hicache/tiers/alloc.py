@@ -72,10 +72,12 @@ class EvictHooks:
 
 
 class HostReservation(NamedTuple):
-    """Host pages and Mamba slots reserved on every rank."""
+    """Host pages, Mamba slots and window rows reserved on every rank."""
 
     pages: list[int]
     slots: list[int]
+    windows: list[int]
+    """Rows of the host ``kv_window`` region (its own id space, ``HostPools.window_allocator``)."""
 
 
 class TierAllocator:
@@ -96,6 +98,10 @@ class TierAllocator:
         self._agree = agree
         self._stats = stats
         self._hooks = hooks
+        self._window_of: dict[int, int] = {}
+        """Host page -> its ``kv_window`` row, for host pages that hold their windowed K/V
+        (sliding-window layers keep a page's windowed K/V on host only where a resume
+        needs it). Freed with the page."""
 
     @property
     def device_pages(self) -> int:
@@ -129,27 +135,70 @@ class TierAllocator:
             raise CacheFull(f"a state exceeds an empty device tier ({dev.max_slots} slots)")
         return self._alloc(dev.slot_allocator, 1, self._device_evictor(False), "slots")[0]
 
-    def try_alloc_host(self, pages: int, slots: int) -> HostReservation | None:
-        """Host pages and slots (evicting host copies as needed), or None on every rank
-        (at once, evicting nothing, when they exceed an empty host tier)."""
+    def try_alloc_host(self, pages: int, slots: int, windows: int = 0) -> HostReservation | None:
+        """Host pages, slots and ``kv_window`` rows (evicting host copies as needed), or
+        None on every rank (at once, evicting nothing, when they exceed an empty host
+        tier). The counts must be equal on every rank (they come from replicated state)."""
         host = self._host
         assert host is not None
-        if not self._fits_empty_host(host, pages, slots):
+        if not self._fits_empty_host(host, pages, slots, windows):
             return None
-        try:
-            got_pages = self._alloc(
-                host.page_allocator, pages, self._host_evictor(True), "host pages"
-            )
-        except CacheFull:
-            return None
-        try:
-            got_slots = self._alloc(
-                host.slot_allocator, slots, self._host_evictor(False), "host slots"
-            )
-        except CacheFull:
-            host.page_allocator.free(got_pages)
-            return None
-        return HostReservation(got_pages, got_slots)
+        got: list[list[int]] = []
+        kinds = (
+            (host.page_allocator, pages, "host pages"),
+            (host.slot_allocator, slots, "host slots"),
+            (host.window_allocator, windows, "host window rows"),
+        )
+        for allocator, n, what in kinds:
+            try:
+                got.append(self._alloc(allocator, n, self._host_evictor(allocator), what))
+            except CacheFull:
+                for (taken, _, _), ids in zip(kinds, got, strict=False):
+                    taken.free(ids)
+                return None
+        return HostReservation(*got)
+
+    # -- host window rows (local: every rank binds and frees the same ones) -----------------
+
+    def bind_windows(self, host_pages: Sequence[int], rows: Sequence[int]) -> None:
+        """Record that ``host_pages[i]`` keeps its windowed K/V in ``kv_window`` row
+        ``rows[i]`` (reserved by ``try_alloc_host``); freed with the page."""
+        for page, row in zip(host_pages, rows, strict=True):
+            assert page not in self._window_of, f"host page {page} already has window row"
+            self._window_of[page] = row
+
+    def window_row(self, host_page: int) -> int | None:
+        """The ``kv_window`` row of ``host_page``, or None when the page lacks its
+        windowed K/V on host."""
+        return self._window_of.get(host_page)
+
+    def drop_windows(self, host_pages: Sequence[int]) -> None:
+        """Free the window rows of ``host_pages`` (the pages stay)."""
+        assert self._host is not None
+        rows = [self._window_of.pop(p) for p in host_pages if p in self._window_of]
+        self._host.window_allocator.free(rows)
+
+    def check_windows(self) -> None:
+        """``RuntimeError`` unless the window rows in use are exactly those of the host
+        pages the tree records as holding their windowed K/V, one row each (call with
+        no backup or prefetch in flight)."""
+        host = self._host
+        if host is None:
+            return
+        want: set[int] = set()
+        if self._tree.windows:
+            for node in self._tree.iter_nodes():
+                gaps = node.host_window_missing
+                pages = node.host_indices or ()
+                want.update(p for i, p in enumerate(pages) if i not in gaps)
+        if set(self._window_of) != want:
+            extra, lost = sorted(set(self._window_of) - want), sorted(want - set(self._window_of))
+            raise RuntimeError(f"host window rows: bound without the tree {extra}, lacking {lost}")
+        rows = sorted(self._window_of.values())
+        ids = host.window_allocator
+        used = [i for i in range(ids.capacity) if not ids.is_free(i)]
+        if rows != used:
+            raise RuntimeError(f"host window rows in use {used} != bound {rows} (leak or reuse)")
 
     # -- freeing (local: every rank frees the same indices) -------------------------------
 
@@ -158,14 +207,20 @@ class TierAllocator:
         self._device.page_allocator.free(pages)
         self._device.slot_allocator.free(slots)
 
-    def free_host(self, pages: Sequence[int] = (), slots: Sequence[int] = ()) -> None:
-        """Return host pages and Mamba slots that the tree did not take."""
+    def free_host(
+        self, pages: Sequence[int] = (), slots: Sequence[int] = (), windows: Sequence[int] = ()
+    ) -> None:
+        """Return host pages (with their window rows), Mamba slots and unbound window rows
+        that the tree did not take."""
         host = self._host
         if host is None:
-            assert not pages and not slots
+            assert not pages and not slots and not windows
             return
         host.page_allocator.free(pages)
         host.slot_allocator.free(slots)
+        host.window_allocator.free(windows)
+        if self._window_of:
+            self.drop_windows(pages)
 
     def reclaim(self, result: EvictResult) -> None:
         """Return everything an eviction freed to its allocators and count it."""
@@ -216,11 +271,16 @@ class TierAllocator:
         return allocator.allocate(n) if allocator.can_allocate(n) else None
 
     @staticmethod
-    def _fits_empty_host(host: HostPools, pages: int, slots: int) -> bool:
+    def _fits_empty_host(host: HostPools, pages: int, slots: int, windows: int) -> bool:
         if host.arena is None:
-            return pages <= host.num_pages and slots <= host.num_slots
-        plan = host.arena.plan
-        return pages * plan.blocks_per_page + slots * plan.blocks_per_slot <= plan.num_blocks
+            return (
+                pages <= host.num_pages
+                and slots <= host.num_slots
+                and windows <= host.num_window_pages
+            )
+        p = host.arena.plan
+        blocks = pages * p.blocks_per_page + slots * p.blocks_per_slot
+        return blocks + windows * p.blocks_per_window <= p.num_blocks
 
     def _device_evictor(self, pages: bool) -> Callable[[int], None]:
         """What makes room for ``n`` device pages (or slots); called with ``n``."""
@@ -230,14 +290,21 @@ class TierAllocator:
         )
         return self._evictor(self._device, pages, queues)
 
-    def _host_evictor(self, pages: bool) -> Callable[[int], None]:
-        """What makes room for ``n`` host pages (or slots); called with ``n``."""
-        assert self._host is not None
+    def _host_evictor(self, allocator: Allocator) -> Callable[[int], None]:
+        """What makes room for ``n`` items of one of the host pool's allocators."""
+        host = self._host
+        assert host is not None
         queues = (
             (EvictTarget.HOST_KV, self._evict_host_pages),
             (EvictTarget.MAMBA_HOST, self._evict_host_slots),
         )
-        return self._evictor(self._host, pages, queues)
+        if host.arena is not None:
+            return lambda n: self._evict_shared(allocator, n, queues)
+        if allocator is host.window_allocator:
+            # Window rows go with some host pages, not one per page: evict host copies one
+            # victim at a time until enough rows are free.
+            return lambda n: self._evict_shared(allocator, n, queues[:1])
+        return self._evictor(host, allocator is host.page_allocator, queues)
 
     def _evictor(
         self, pools: DevicePools | HostPools, pages: bool, queues: tuple[Queue, Queue]

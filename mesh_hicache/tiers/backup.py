@@ -41,8 +41,9 @@ from mesh_hicache.layout import StateLayout
 from mesh_hicache.radix import EvictTarget, Family, RadixTree, Tier, TreeNode
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.tiers.alloc import TierAllocator
-from mesh_hicache.tiers.l3 import StorageTier
+from mesh_hicache.tiers.l3 import InFlight, StorageTier
 from mesh_hicache.tiers.lease import Lease
+from mesh_hicache.tiers.window_rule import WindowRule
 from mesh_hicache.transfer import TransferEngine, TransferHandle
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class _Backup:
     host_pages: list[int]
     host_slots: list[int]
     num_bytes: int
+    fills: list[tuple[int, int]]
+    """(host page, window row) of ancestors' host copies given their windowed K/V by
+    this copy (a branch point's window): recorded in the tree once the copy succeeded."""
 
 
 @dataclass(slots=True)
@@ -84,6 +88,7 @@ class BackupQueue:
         layout: StateLayout,
         agree: Consensus,
         stats: CacheStats,
+        window: WindowRule | None = None,
     ) -> None:
         self.policy = policy
         """The write policy; tests may switch it between requests (same on every rank)."""
@@ -94,10 +99,13 @@ class BackupQueue:
         self._layout = layout
         self._agree = agree
         self._stats = stats
+        self._window = window
         self._backups: deque[_Backup] = deque()
         self._writes: deque[_StorageWrite] = deque()
-        self._unsettled: set[int] = set()
-        """Host pages of the backups not yet consumed: their copies may be incomplete."""
+        self._copying_pages: set[int] = set()
+        self._copying_slots: set[int] = set()
+        """Host pages and slots of the backups not yet consumed (their copies may be
+        incomplete): an L3 write skips them."""
         self.value_gate = False
         """Whether write-back asks ``worth_host`` first (tests and benchmarks may set it;
         the same on every rank)."""
@@ -173,17 +181,39 @@ class BackupQueue:
         num_pages = sum(n.num_pages for n in kv_nodes)
         if num_pages == 0 and not state_nodes:
             return
-        got = self._alloc.try_alloc_host(num_pages, len(state_nodes))
+        keep, fills = self._window_plan(kv_nodes, state_nodes)
+        num_windows = sum(map(len, keep.values())) + len(fills)
+        got = self._alloc.try_alloc_host(num_pages, len(state_nodes), num_windows)
         if got is None:
             self._stats.record_skip("backup")
             return
         dev_pages: list[int] = []
+        dev_windows: list[int] = []
+        rows = iter(got.windows)
         pos = 0
         for n in kv_nodes:
             assert n.device_indices is not None
             dev_pages.extend(n.device_indices)
-            self._tree.attach(n, Tier.HOST, Family.KV, got.pages[pos : pos + n.num_pages])
+            host = got.pages[pos : pos + n.num_pages]
             pos += n.num_pages
+            if self._window is None:
+                self._tree.attach(n, Tier.HOST, Family.KV, host)
+                continue
+            offsets = keep[n]
+            gaps = _others(offsets, n.num_pages)
+            self._tree.attach(n, Tier.HOST, Family.KV, host, window_missing=gaps)
+            dev_windows.extend(n.device_indices[i] for i in offsets)
+            self._alloc.bind_windows([host[i] for i in offsets], [next(rows) for _ in offsets])
+        filled: list[tuple[int, int]] = []
+        for owner, i in fills:
+            if owner.host_indices is None:
+                continue  # the allocation above evicted that host copy (on every rank)
+            assert owner.device_indices is not None
+            dev_windows.append(owner.device_indices[i])
+            filled.append((owner.host_indices[i], next(rows)))
+        spare = list(rows)  # the rows of dropped fills
+        self._alloc.free_host(windows=spare)
+        host_windows = got.windows[: len(got.windows) - len(spare)]
         dev_slots = []
         for n, slot in zip(state_nodes, got.slots, strict=True):
             assert n.mamba_device_slot is not None
@@ -193,10 +223,13 @@ class BackupQueue:
         lease = Lease(self._tree)
         for n in held:
             lease.hold(n)
-        handle = self._engine.backup((dev_pages, got.pages), (dev_slots, got.slots))
-        self._unsettled.update(got.pages)
-        nbytes = len(dev_pages) * self._layout.page_bytes + len(dev_slots) * self._layout.slot_bytes
-        self._backups.append(_Backup(handle, held, lease, got.pages, got.slots, nbytes))
+        handle = self._engine.backup(
+            (dev_pages, got.pages), (dev_slots, got.slots), (dev_windows, host_windows)
+        )
+        self._copying_pages.update(got.pages)
+        self._copying_slots.update(got.slots)
+        nbytes = self._layout.copy_bytes(len(dev_pages), len(dev_slots), len(dev_windows))
+        self._backups.append(_Backup(handle, held, lease, got.pages, got.slots, nbytes, filled))
         if wait:
             self.step(block=True)
 
@@ -240,24 +273,72 @@ class BackupQueue:
 
     def _finish_backup(self, b: _Backup, ok: bool) -> None:
         b.lease.unlock()
-        self._unsettled.difference_update(b.host_pages)
+        self._copying_pages.difference_update(b.host_pages)
+        self._copying_slots.difference_update(b.host_slots)
         self._stats.record_backup(ok, b.num_bytes)
         if not ok:
             logger.warning(
                 "device -> host backup failed (%s); its host copies are dropped",
                 b.handle.error or "on another rank",
             )
+            self._alloc.free_host(windows=[row for _, row in b.fills])
             self._undo(b)
             return
+        if b.fills:
+            self._fill(b)
         if self._l3 is not None:
-            future = self._l3.write(self._holders(b), self._settled)
+            copying = InFlight(self._copying_pages, self._copying_slots)
+            future = self._l3.write(self._holders(b), copying)
             self._writes.append(_StorageWrite(future, b.lease))
             return
         b.lease.release_host()
 
-    def _settled(self, host_page: int) -> bool:
-        """Whether ``host_page`` holds a finished copy (no backup still writes it)."""
-        return host_page not in self._unsettled
+    # -- windowed pages --------------------------------------------------------------------
+
+    def _window_plan(
+        self, kv_nodes: list[TreeNode], state_nodes: list[TreeNode]
+    ) -> tuple[dict[TreeNode, tuple[int, ...]], list[tuple[TreeNode, int]]]:
+        """Which windowed pages a backup keeps on host: per node of ``kv_nodes``, the
+        offsets its end and the checkpoints need (``WindowRule.write_offsets``); and the
+        pages a resume at the end of each backed-up node (and the start of each KV one)
+        needs: in a node of the same backup, kept with it; in an ancestor already on host
+        without them (a branch point, a new state's boundary), copied from its device copy
+        ("fills"). Pages a device copy lacks are never kept. Empty without windowed
+        layers. Replicated tree state only: the same on every rank."""
+        rule = self._window
+        if rule is None:
+            return {}, []
+        keep = {n: set(rule.write_offsets(n)) for n in kv_nodes}
+        fills: dict[tuple[int, int], tuple[TreeNode, int]] = {}
+        for n in dict.fromkeys([*kv_nodes, *state_nodes]):
+            bounds = [n.prefix_len, n.prefix_len - n.num_tokens] if n in keep else [n.prefix_len]
+            for b in bounds:
+                for owner, i in rule.resume_pages(n, b):
+                    if i in owner.window_missing:
+                        continue  # the device copy lacks it too
+                    if owner in keep:
+                        keep[owner].add(i)
+                    elif owner.host_indices is not None and i in owner.host_window_missing:
+                        fills[(owner.id, i)] = (owner, i)
+        return {n: tuple(sorted(o)) for n, o in keep.items()}, list(fills.values())
+
+    def _fill(self, b: _Backup) -> None:
+        """Record the ancestors' windowed pages ``b`` copied: the nodes holding those host
+        pages now (on the path of ``b``'s nodes, maybe split meanwhile) have them."""
+        rows = dict(b.fills)
+        # Another backup in flight may have filled the same page first: keep its row.
+        spare = [rows.pop(p) for p in list(rows) if self._alloc.window_row(p) is not None]
+        self._alloc.free_host(windows=spare)
+        self._alloc.bind_windows(list(rows), list(rows.values()))
+        seen: set[int] = set()
+        for n in b.nodes:
+            for m in self._tree.nodes_on_path(n):
+                if m.id in seen or m.host_indices is None:
+                    continue
+                seen.add(m.id)
+                offsets = [i for i, p in enumerate(m.host_indices) if p in rows]
+                if offsets:
+                    self._tree.fill_window(m, Tier.HOST, offsets)
 
     def _holders(self, b: _Backup) -> list[TreeNode]:
         """The nodes holding ``b``'s host pages or slots now: a node split while the copy
@@ -282,6 +363,12 @@ class BackupQueue:
                 )
             if m.mamba_host_slot in slots:
                 self._alloc.free_host(slots=self._tree.detach(m, Tier.HOST, Family.STATE))
+
+
+def _others(offsets: Sequence[int], num_pages: int) -> list[int]:
+    """The offsets of ``[0, num_pages)`` not in ``offsets``."""
+    kept = set(offsets)
+    return [i for i in range(num_pages) if i not in kept]
 
 
 def _needs_state_backup(n: TreeNode) -> bool:

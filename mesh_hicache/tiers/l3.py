@@ -4,7 +4,7 @@ Keys: one object per (region, chained page hash) for paged regions and per (regi
 hash of the boundary's last page) for Mamba state regions, each naming this rank's
 global slice (docs/DESIGN.md section 8). Only the elected writer of a region writes it.
 Windowed layers' pages (``kv_window``) are written and required only where a resume
-needs them (``l3_window.py``).
+needs them (``window_rule.py``).
 
 Reshard on read: past what this mesh stored itself, pages (and states) are read from the
 other writer meshes recorded under the namespace (``l3_sources.py`` finds them, at one
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Container, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,12 +48,20 @@ from mesh_hicache.storage.keys import KeyNamespace, StorageKey
 from mesh_hicache.tiers.alloc import TierAllocator
 from mesh_hicache.tiers.l3_reads import PREFETCH_BATCH_PAGES, Prefetch, PrefetchReader
 from mesh_hicache.tiers.l3_sources import SourceFinder
-from mesh_hicache.tiers.l3_window import WindowRule
 from mesh_hicache.tiers.reshard import SourcePlan
+from mesh_hicache.tiers.window_rule import WindowRule
 
-__all__ = ["PREFETCH_BATCH_PAGES", "Prefetch", "PrefetchRules", "StorageTier"]
+__all__ = ["PREFETCH_BATCH_PAGES", "InFlight", "Prefetch", "PrefetchRules", "StorageTier"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """Host pages and slots whose device -> host copies have not finished."""
+
+    pages: Container[int] = frozenset()
+    slots: Container[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,15 +130,15 @@ class StorageTier:
 
     # -- writes (l3-write thread) ---------------------------------------------------------
 
-    def write(
-        self, nodes: Sequence[TreeNode], settled: Callable[[int], bool] = lambda page: True
-    ) -> Future[int]:
+    def write(self, nodes: Sequence[TreeNode], copying: InFlight | None = None) -> Future[int]:
         """Start writing what this rank is the elected writer of for ``nodes`` (their
         host pages and host states), and the windowed pages a resume at each node's start
-        needs from its ancestors' host copies (``WindowRule.start_pages``) where
-        ``settled(host_page)`` says that copy is complete; those are stored unless present.
-        The host rows must stay valid until the future is done (the caller keeps the nodes'
-        paths host-protected). Resolves to the bytes written."""
+        needs from its ancestors' host copies (``WindowRule.start_pages``; stored unless
+        present). Rows in ``copying`` (device -> host copies not finished) are skipped:
+        they may hold anything, and a stored object is never replaced. The host rows must
+        stay valid until the future is done (the caller keeps the nodes' paths
+        host-protected). Resolves to the bytes written."""
+        busy = copying or InFlight()
         keys: list[StorageKey] = []
         rows: list[torch.Tensor] = []
         unless_present: dict[StorageKey, torch.Tensor] = {}
@@ -138,23 +146,27 @@ class StorageTier:
             for region in self._paged:
                 if not region.is_writer or n.host_indices is None:
                     continue
-                offsets: Sequence[int] = range(n.num_pages)
-                if region.name is RegionName.KV_WINDOW:
+                window = region.name is RegionName.KV_WINDOW
+                for i, page in enumerate(n.host_indices):
+                    held = self._alloc.window_row(page) if window else page
+                    if held is not None and page not in busy.pages:
+                        keys.append(self.key(region, n.hashes[i]))
+                        rows.append(self._host.row(region.name, held))
+                if window:  # the ancestors' pages a resume at the node's start needs
                     assert self._window is not None
-                    offsets = self._window.write_offsets(n)
                     for owner, i in self._window.start_pages(n):
-                        page = owner.host_indices[i] if owner.host_indices is not None else None
-                        if page is not None and settled(page):
+                        if owner.host_indices is None or owner.host_indices[i] in busy.pages:
+                            continue
+                        held = self._alloc.window_row(owner.host_indices[i])
+                        if held is not None:
                             key = self.key(region, owner.hashes[i])
-                            unless_present[key] = self._host.row(region.name, page)
-                for i in offsets:
-                    keys.append(self.key(region, n.hashes[i]))
-                    rows.append(self._host.row(region.name, n.host_indices[i]))
-            if n.mamba_host_slot is not None and n.last_hash is not None:
+                            unless_present[key] = self._host.row(region.name, held)
+            slot = n.mamba_host_slot
+            if slot is not None and n.last_hash is not None and slot not in busy.slots:
                 for region in self._slotted:
                     if region.is_writer:
                         keys.append(self.key(region, n.last_hash))
-                        rows.append(self._host.row(region.name, n.mamba_host_slot))
+                        rows.append(self._host.row(region.name, slot))
         for key in keys:
             unless_present.pop(key, None)
         return self._writer.submit(self._put, keys, rows, unless_present)
@@ -293,15 +305,27 @@ class StorageTier:
     ) -> Prefetch | None:
         """Reserve host pages and a slot (agreed) and start reading the KV pages
         ``hashes`` in the background, then the state at their end."""
-        got = self._alloc.try_alloc_host(len(hashes), 1 if self._has_mamba else 0)
+        n = len(hashes)
+        # Window rows for the pages the hit's end and its checkpoints need: the same
+        # count on every rank (agreed values only); a shorter end keeps only those too.
+        kept = sorted(self._window.kept(start_page, n)) if self._window is not None else []
+        got = self._alloc.try_alloc_host(n, 1 if self._has_mamba else 0, len(kept))
         if got is None:
             self._stats.record_skip("prefetch")
             return None
         slot = got.slots[0] if got.slots else None
-        job = Prefetch(key, start_page, len(hashes), got.pages, slot, list(hashes))
+        job = Prefetch(key, start_page, n, got.pages, slot, list(hashes))
         job.missing_before = missing
+        if kept:
+            job.window_rows = [None] * n
+            for p, row in zip(kept, got.windows, strict=True):
+                job.window_rows[p - start_page] = row
+            self._alloc.bind_windows([got.pages[p - start_page] for p in kept], got.windows)
         if self._last_window is not None:
-            job.window_present = self._last_window[: len(hashes)]
+            rows = job.window_rows
+            job.window_present = [
+                ok and rows[i] is not None for i, ok in enumerate(self._last_window[:n])
+            ]
         try:
             job.sources = self._last_sources[: len(hashes)]
             assert len(job.sources) == len(hashes)
@@ -368,6 +392,7 @@ class StorageTier:
             job.resharded_pages = [bool(s) for s in job.sources[:pages]]
         end = (job.start_page + pages) * self._page_size
         gaps = self._window.kept_missing(job.start_page, pages) if self._window else ()
+        self._alloc.drop_windows([job.host_pages[p - job.start_page] for p in gaps])
         result = self._tree.insert(
             job.key.prefix(end),
             host_indices=job.host_pages[:pages],

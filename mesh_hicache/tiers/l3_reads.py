@@ -50,9 +50,12 @@ class Prefetch:
     """Other meshes to read the boundary state from when this mesh has none stored."""
     missing_before: frozenset[int] = frozenset()
     """Pages of the key before ``start_page`` whose windowed K/V the tree lacks."""
+    window_rows: list[int | None] = field(default_factory=list)
+    """Per page: the host ``kv_window`` row reserved for it (None: none; empty without
+    windowed layers)."""
     window_present: list[bool] = field(default_factory=list)
-    """Per page: whether its windowed objects are stored (empty: this rank holds no
-    windowed layer). Absent ones are not read; their host rows are zeroed."""
+    """Per page: whether its windowed objects are stored and a row is reserved for them
+    (empty: this rank holds no windowed layer). Only those are read."""
     state_resharded: bool = False
     resharded_pages: list[bool] = field(default_factory=list)
     """Once finished: per kept page, whether it came from another mesh's objects."""
@@ -102,8 +105,8 @@ class PrefetchReader:
         pages: list[int] = []
         for region in self._paged:
             for i in range(lo, hi):
-                row = self._host.row(region.name, job.host_pages[i])
-                if self._skipped(job, region, i, row):
+                row = self._row(job, region, i)
+                if row is None:
                     continue
                 keys.append(self._finder.key(region, job.hashes[i]))
                 rows.append(row)
@@ -117,13 +120,13 @@ class PrefetchReader:
             whole[i - lo] = whole[i - lo] and ok
         return whole.index(False) if False in whole else hi - lo
 
-    @staticmethod
-    def _skipped(job: Prefetch, region: RegionLayout, page: int, row: torch.Tensor) -> bool:
-        """True (and the host ``row`` zeroed) for a windowed page that L3 does not hold."""
-        if region.name is not RegionName.KV_WINDOW or job.window_present[page]:
-            return False
-        row.zero_()
-        return True
+    def _row(self, job: Prefetch, region: RegionLayout, page: int) -> torch.Tensor | None:
+        """The host row page ``page`` of the job reads ``region`` into; None for a
+        windowed page that is not read (not stored, or not needed: no row reserved)."""
+        if region.name is not RegionName.KV_WINDOW:
+            return self._host.row(region.name, job.host_pages[page])
+        row = job.window_rows[page] if job.window_present[page] else None
+        return None if row is None else self._host.row(region.name, row)
 
     def _read_resharded(self, job: Prefetch, lo: int, hi: int) -> int:
         """Like the same-mesh read, but page by page from each page's source mesh."""
@@ -132,8 +135,8 @@ class PrefetchReader:
             src = job.sources[i]
             ok = True
             for region in self._paged:
-                row = self._host.row(region.name, job.host_pages[i])
-                if not self._skipped(job, region, i, row):
+                row = self._row(job, region, i)
+                if row is not None:
                     ok = self._read_row(src, region, job.hashes[i], row) and ok
             whole.append(ok)
         return whole.index(False) if False in whole else hi - lo

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import StateLayout
+from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.radix import Family, RadixTree, Tier, TreeNode
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.tiers.alloc import CacheFull, TierAllocator
@@ -54,6 +55,7 @@ class PendingLoad:
         "handle",
         "last",
         "num_tokens",
+        "num_windows",
         "ok",
         "pages",
         "prefix_pages",
@@ -76,6 +78,7 @@ class PendingLoad:
         num_tokens: int = 0,
         prefix_pages: Sequence[int] = (),
         prefix_slot: int | None = None,
+        num_windows: int = 0,
     ) -> None:
         self.handle = handle
         """The copy of this load's own part; None when it copies nothing itself."""
@@ -99,6 +102,8 @@ class PendingLoad:
         self.prefix_slot = prefix_slot
         """Device slot of the state at the prefix end loaded here or by a dependency
         (None: no state is loaded)."""
+        self.num_windows = num_windows
+        """Windowed pages this load copies (the others' windowed K/V is zeroed)."""
         self.ok: bool | None = None
         """None while in flight; then whether it succeeded on every rank."""
         self.started = time.monotonic()
@@ -137,8 +142,10 @@ class Loader:
         layout: StateLayout,
         agree: Consensus,
         stats: CacheStats,
+        device: DevicePools,
     ) -> None:
         self._engine = engine
+        self._device = device
         self._tree = tree
         self._alloc = alloc
         self._layout = layout
@@ -212,6 +219,7 @@ class Loader:
                 self._alloc.free_device(pages=pages)
                 raise
         handle = None
+        num_windows = 0
         if pages or slot is not None:
             assert self._engine is not None
             host_pages = [p for n in own for p in (n.host_indices or ())]
@@ -219,7 +227,9 @@ class Loader:
             if own_state is not None and slot is not None:
                 assert own_state.mamba_host_slot is not None
                 slots = ([slot], [own_state.mamba_host_slot])
-            handle = self._engine.load((pages, host_pages), slots)
+            windows = self._windows(pages, host_pages)
+            handle = self._engine.load((pages, host_pages), slots, windows)
+            num_windows = len(windows[0])
         prefix_pages: list[int] = []
         pos = 0
         for node in path:
@@ -242,10 +252,31 @@ class Loader:
             num_tokens=num_tokens,
             prefix_pages=prefix_pages,
             prefix_slot=slot if state_dep is None else state_dep.slot,
+            num_windows=num_windows,
         )
         if handle is not None:
             self._in_flight.append(load)
         return load
+
+    def _windows(
+        self, pages: Sequence[int], host_pages: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        """The (device page, host window row) pairs of the host pages that hold their
+        windowed K/V; the other device pages' windowed K/V is zeroed (the tree records
+        them as lacking it)."""
+        dev: list[int] = []
+        rows: list[int] = []
+        zero: list[int] = []
+        if self._layout.spec.windows:
+            for page, host_page in zip(pages, host_pages, strict=True):
+                row = self._alloc.window_row(host_page)
+                if row is None:
+                    zero.append(page)
+                else:
+                    dev.append(page)
+                    rows.append(row)
+            self._device.clear_window_pages(zero)
+        return dev, rows
 
     def finish(self, load: PendingLoad) -> bool:
         """Wait for ``load`` and the loads it depends on, agree on their success, and
@@ -272,8 +303,8 @@ class Loader:
         assert pos == len(load.pages), (pos, len(load.pages))
         if load.state_node is not None and load.slot is not None:
             self._tree.attach(load.state_node, Tier.DEVICE, Family.STATE, [load.slot])
-        lay = self._layout
-        nbytes = len(load.pages) * lay.page_bytes + (load.slot is not None) * lay.slot_bytes
+        slots = int(load.slot is not None)
+        nbytes = self._layout.copy_bytes(len(load.pages), slots, load.num_windows)
         seconds = time.monotonic() - load.started if load.pages else 0.0
         self._stats.record_load(True, nbytes, seconds)
         return True

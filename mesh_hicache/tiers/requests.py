@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mesh_hicache.radix import RadixKey, RadixTree, TreeNode
+from mesh_hicache.pools.device import DevicePools
+from mesh_hicache.radix import RadixKey, RadixTree, Tier, TreeNode
 from mesh_hicache.stats import CacheStats
 from mesh_hicache.tiers.alloc import CacheFull, TierAllocator
 from mesh_hicache.tiers.backup import BackupQueue
@@ -123,7 +124,9 @@ class RequestFlow:
         loader: Loader,
         l3: StorageTier | None,
         stats: CacheStats,
+        device: DevicePools,
     ) -> None:
+        self._device = device
         self._tree = tree
         self._alloc = alloc
         self._backups = backups
@@ -276,6 +279,8 @@ class RequestFlow:
         # pages it already had, so they go back to the allocator.
         owned = set(lease.owned_pages)
         duplicates = {p for p in result.unused_device_indices if p in owned}
+        if duplicates and self._tree.windows:
+            self._fill_windows(key, pages, duplicates)
         self._alloc.free_device(pages=sorted(duplicates))
         done = set(pages)
         lease.owned_pages = [p for p in lease.owned_pages if p not in done]
@@ -286,6 +291,26 @@ class RequestFlow:
         lease.move(result.node, host=False)
         self._backups.on_insert(result.node)
         return result.num_existing_pages
+
+    def _fill_windows(self, key: RadixKey, pages: Sequence[int], computed: set[int]) -> None:
+        """The request computed pages the tree already holds on device, some of them
+        without their windowed K/V (a copy loaded from host or L3 keeps only the pages a
+        boundary needs): copy the request's windowed K/V there, so later hits may end
+        anywhere on them. No resume reads those rows before, so nobody reads them while
+        they are written. Replicated decisions only (the tree and the request's pages)."""
+        src: list[int] = []
+        dst: list[int] = []
+        at = 0
+        for node in self._tree.kv_path(key):
+            gaps, dev = node.window_missing, node.device_indices
+            if gaps and dev is not None:
+                fill = sorted(i for i in gaps if at + i < len(pages) and pages[at + i] in computed)
+                if fill:
+                    src.extend(pages[at + i] for i in fill)
+                    dst.extend(dev[i] for i in fill)
+                    self._tree.fill_window(node, Tier.DEVICE, fill)
+            at += node.num_pages
+        self._device.copy_window_pages(src, dst)
 
     def _check_pages(self, lease: RequestLease, key: RadixKey, pages: Sequence[int]) -> list[int]:
         out: list[int] = []

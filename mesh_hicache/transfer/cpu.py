@@ -35,7 +35,7 @@ from mesh_hicache import native
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.transfer.engine import TransferEngine, _Op
-from mesh_hicache.transfer.segments import MemRows
+from mesh_hicache.transfer.segments import IndexKind, MemRows
 
 #: A load of at most this many bytes is copied in one pass and published at once: it
 #: takes less time (~25 us at memory bandwidth) than publishing it layer by layer costs.
@@ -56,9 +56,11 @@ class CpuTransferEngine(TransferEngine):
         if device_pools.device.type != "cpu":
             raise ValueError(f"CpuTransferEngine needs CPU device pools, got {device_pools.device}")
         super().__init__(device_pools, host_pools)
+        #: Whether some segment goes by window pairs (the layout has kv_window).
+        self._windows = any(s.kind is IndexKind.WINDOWS for s in self.segments.segments)
         #: One native call per layer's rows (mesh_hicache/native.py), or None: the numpy
-        #: address paths below.
-        self._copy_segments = native.segment_copier()
+        #: address paths below. Without windows, the variant that takes no window pair.
+        self._copy_segments = native.segment_copier(self._windows)
         self._table_ptr = self.segments.native_table.ctypes.data
         #: One native call per list of rows (mesh_hicache/native.py), or None: memmove per row.
         self._copy_rows = native.row_copier()
@@ -69,10 +71,15 @@ class CpuTransferEngine(TransferEngine):
         for a whole backup or small load."""
         table = self.segments
         ptr = self._table_ptr
-        (pa, sa), np_, ns = op.addrs, op.pages[0].shape[0], op.slots[0].shape[0]
-        args = (pa, np_, sa, ns, int(op.backup))
+        (pages, slots, windows), (pa, sa, wa) = op.pairs, op.addrs
+        args: tuple[int, ...]
+        if self._windows:
+            n_w = windows[0].shape[0]
+            args = (pa, pages[0].shape[0], sa, slots[0].shape[0], wa, n_w, int(op.backup))
+        else:
+            args = (pa, pages[0].shape[0], sa, slots[0].shape[0], int(op.backup))
         bounds, last = table.layer_bounds, len(self.layer_ids) - 1
-        if (op.backup or table.op_bytes(op.pages, op.slots) <= SINGLE_PASS_BYTES) and not op.inject:
+        if (op.backup or op.load_bytes <= SINGLE_PASS_BYTES) and not op.inject:
             fn(ptr, 0, bounds[-1], *args)
             self._layer_ready(op, last)
             yield
@@ -116,23 +123,21 @@ class CpuTransferEngine(TransferEngine):
             return
         table, ready = self.segments, self._layer_ready
         last = len(self.layer_ids) - 1
-        whole = op.backup or table.op_bytes(op.pages, op.slots) <= SINGLE_PASS_BYTES
+        whole = op.backup or op.load_bytes <= SINGLE_PASS_BYTES
         if whole and not op.inject:
             # Nothing waits for a backup layer by layer (it is consumed whole), and a small
             # load copies faster than per-layer bookkeeping would let a waiter start: small
             # rows by one numpy copy per block, the others in one native loop, then every
             # layer is published at once.
-            for dst_arr, dst_rows, src_arr, src_rows in table.small_row_copies(
-                op.backup, op.pages, op.slots
-            ):
+            for dst_arr, dst_rows, src_arr, src_rows in table.small_row_copies(op.backup, op.pairs):
                 dst_arr[dst_rows] = src_arr[src_rows]
             if table.has_large_rows:
-                rows = table.mem_rows(op.backup, op.pages, op.slots, skip_small=True)
+                rows = table.mem_rows(op.backup, op.pairs, skip_small=True)
                 self._copier(rows)(0, rows.block.shape[1])
             ready(op, last)
             yield
             return
-        rows = table.mem_rows(op.backup, op.pages, op.slots)
+        rows = table.mem_rows(op.backup, op.pairs)
         copy, bounds = self._copier(rows), rows.bounds
         for pos in range(last + 1):
             if op.inject:

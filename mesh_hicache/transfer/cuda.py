@@ -24,13 +24,14 @@ import torch
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.transfer.engine import TransferEngine, _Op
-from mesh_hicache.transfer.segments import IndexArray
+from mesh_hicache.transfer.segments import IndexArray, IndexKind
 
 STAGING_BYTES = 64 << 20
 
 
 class _Chunk:
-    """Positions ``[start, start + count)`` of one index kind, ready to copy."""
+    """Positions ``[start, start + count)`` of one index kind (pages, slots or windows),
+    ready to copy."""
 
     __slots__ = ("count", "device_idx", "host_idx", "run_first", "run_rows", "start")
 
@@ -105,30 +106,28 @@ class CudaTransferEngine(TransferEngine):
         first error (returned) with the events of the layers queued before it."""
         events: list[torch.cuda.Event] = []
         error: Exception | None = None
-        # Chunks are cut to the narrowest staging fit of their kind, so every segment of
-        # that kind fits; device indices move to the GPU once per op.
+        # Chunks are cut to the narrowest staging fit of their index kind (pages, slots,
+        # windows), so every segment of that kind fits; device indices move to the GPU
+        # once per op.
         table = self.segments.segments
         fits = {
-            paged: min(
-                (r for r, s in zip(self._chunk_rows, table, strict=True) if s.paged is paged),
+            kind: min(
+                (r for r, s in zip(self._chunk_rows, table, strict=True) if s.kind is kind),
                 default=1,
             )
-            for paged in (True, False)
+            for kind in IndexKind
         }
         # A context, not set_device: a waiter's thread may be the one issuing.
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream), self._cupy_device:
             # The device pools may have been written on the submitter's stream up to the
             # submission (op.after: an event recorded there then).
             self._stream.wait_event(op.after)
-            chunks = {
-                True: self._chunks(op.pages, fits[True]),
-                False: self._chunks(op.slots, fits[False]),
-            }
+            chunks = {kind: self._chunks(op.pairs[kind], fits[kind]) for kind in IndexKind}
             for pos, seg_ids in enumerate(self.segments.by_layer):
                 try:
                     self._check_fault(op, pos)
                     for seg in seg_ids:
-                        for chunk in chunks[table[seg].paged]:
+                        for chunk in chunks[table[seg].kind]:
                             self._copy_chunk(seg, chunk, op.backup)
                 except Exception as exc:
                     error = exc

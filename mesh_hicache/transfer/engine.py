@@ -1,12 +1,19 @@
 """The transfer engine interface and its contract (docs/DESIGN.md section 6).
 
-An operation copies a set of pages and Mamba slots between this rank's L1 device pools
-and L2 host pools: ``backup`` device -> host, ``load`` host -> device. ``kv_pages`` is a
-pair ``(device_pages, host_pages)`` of equal-length index lists; page ``device_pages[i]``
-corresponds to ``host_pages[i]`` in every paged region (``kv``, ``kv_window``, ``indexer``).
-``mamba_slots`` is a pair ``(device_slots, host_slots)`` for ``mamba_conv`` and
-``mamba_ssm``. Bad indices (unequal lengths, out of range) raise ``ValueError`` at
-submission, before anything is queued.
+An operation copies a set of pages, window pages and Mamba slots between this rank's L1
+device pools and L2 host pools: ``backup`` device -> host, ``load`` host -> device. Each
+is a pair of equal-length index lists, one per index kind
+(:class:`~mesh_hicache.transfer.segments.IndexKind`):
+
+- ``kv_pages`` ``(device_pages, host_pages)``: page ``device_pages[i]`` corresponds to
+  ``host_pages[i]`` in ``kv`` and ``indexer``;
+- ``window_pages`` ``(device_pages, host_window_ids)``: the sliding-window layers' K/V
+  (region ``kv_window``), which the host pool indexes by window ids of their own (L2
+  holds only the windowed pages a resume needs) while the device pool indexes it by page;
+- ``mamba_slots`` ``(device_slots, host_slots)``: ``mamba_conv`` and ``mamba_ssm``.
+
+Bad indices (unequal lengths, out of range of the device pages/slots or the host pages,
+window ids or slots) raise ``ValueError`` at submission, before anything is queued.
 
 Contract:
 
@@ -51,9 +58,13 @@ from typing import Any
 from mesh_hicache.pools.device import DevicePools
 from mesh_hicache.pools.host import HostPools
 from mesh_hicache.spec import Family
-from mesh_hicache.transfer.indices import IndexPair, check_indices
+from mesh_hicache.transfer.indices import NO_INDICES, IndexPair, check_indices
 from mesh_hicache.transfer.segments import IndexArray, SegmentTable, build_segments
 from mesh_hicache.transfer.waker import CondWaker, TimerWaker, make_waker
+
+#: The default of every index pair: nothing of that kind. Without windowed layers no
+#: window pair is passed; testing for this object skips its checks (no cost then).
+NO_PAIR: IndexPair = ((), ())
 
 
 class TransferKind(str, enum.Enum):
@@ -189,12 +200,19 @@ class InjectedFailure(RuntimeError):
 @dataclass(slots=True)
 class _Op:
     handle: TransferHandle
-    pages: tuple[IndexArray, IndexArray]
-    """(device, host) page indices, int64, validated: views of one block, device indices
-    then host indices, at address ``addrs[0]`` (0 when empty)."""
-    slots: tuple[IndexArray, IndexArray]
-    addrs: tuple[int, int] = (0, 0)
-    """Addresses of the page and slot index blocks (for the native copy loop)."""
+    pairs: tuple[
+        tuple[IndexArray, IndexArray],
+        tuple[IndexArray, IndexArray],
+        tuple[IndexArray, IndexArray],
+    ]
+    """(device, host) indices of each ``IndexKind`` (pages, slots, windows), int64,
+    validated: each pair views one block, device indices then host indices, at address
+    ``addrs[kind]`` (0 when empty)."""
+    addrs: tuple[int, int, int] = (0, 0, 0)
+    """Addresses of the page, slot and window index blocks (for the native copy loop)."""
+    load_bytes: int = 0
+    """Bytes a load moves (``SegmentTable.op_bytes``, computed once at submission); 0
+    for a backup."""
     fail_at: int | None = None
     inject: bool = False
     steps: Iterator[None] | None = None
@@ -261,16 +279,23 @@ class TransferEngine(abc.ABC):
     # -- public API -------------------------------------------------------------------------
 
     def backup(
-        self, kv_pages: IndexPair = ((), ()), mamba_slots: IndexPair = ((), ())
+        self,
+        kv_pages: IndexPair = NO_PAIR,
+        mamba_slots: IndexPair = NO_PAIR,
+        window_pages: IndexPair = NO_PAIR,
     ) -> TransferHandle:
-        """Queue device -> host copies of ``kv_pages`` and ``mamba_slots``."""
-        return self._submit(TransferKind.BACKUP, kv_pages, mamba_slots)
+        """Queue device -> host copies of ``kv_pages``, ``mamba_slots`` and
+        ``window_pages`` (device pages -> host window ids)."""
+        return self._submit(TransferKind.BACKUP, kv_pages, mamba_slots, window_pages)
 
     def load(
-        self, kv_pages: IndexPair = ((), ()), mamba_slots: IndexPair = ((), ())
+        self,
+        kv_pages: IndexPair = NO_PAIR,
+        mamba_slots: IndexPair = NO_PAIR,
+        window_pages: IndexPair = NO_PAIR,
     ) -> TransferHandle:
         """Queue host -> device copies, layer by layer (use ``handle.wait_layer``)."""
-        return self._submit(TransferKind.LOAD, kv_pages, mamba_slots)
+        return self._submit(TransferKind.LOAD, kv_pages, mamba_slots, window_pages)
 
     def fail_next(self, at_layer: int | None = None) -> None:
         """Tests only: the next submitted operation fails before copying ``at_layer``."""
@@ -320,21 +345,29 @@ class TransferEngine(abc.ABC):
     # -- internals --------------------------------------------------------------------------
 
     def _submit(
-        self, kind: TransferKind, kv_pages: IndexPair, mamba_slots: IndexPair
+        self,
+        kind: TransferKind,
+        kv_pages: IndexPair,
+        mamba_slots: IndexPair,
+        window_pages: IndexPair,
     ) -> TransferHandle:
         dev, host = self.device_pools, self.host_pools
         pd, ph, pa = check_indices("kv_pages", kv_pages, dev.num_pages, host.num_pages)
         sd, sh, sa = check_indices("mamba_slots", mamba_slots, dev.num_slots, host.num_slots)
-        inline = (
-            kind is TransferKind.LOAD
-            and self.inline_bytes > 0
-            and self.segments.op_bytes((pd, ph), (sd, sh)) <= self.inline_bytes
-        )
+        if window_pages is NO_PAIR:
+            wd, wh, wa = NO_INDICES, NO_INDICES, 0
+        else:
+            wd, wh, wa = check_indices(
+                "window_pages", window_pages, dev.num_pages, host.num_window_pages
+            )
+        pairs = ((pd, ph), (sd, sh), (wd, wh))
+        nbytes = self.segments.op_bytes(pairs) if kind is TransferKind.LOAD else 0
+        inline = kind is TransferKind.LOAD and 0 < self.inline_bytes and nbytes <= self.inline_bytes
         with self._lock:
             if self._closed:
                 raise RuntimeError("transfer engine is closed")
             handle = TransferHandle(self._next_id, kind, self.layer_ids, self)
-            op = _Op(handle, (pd, ph), (sd, sh), (pa, sa))
+            op = _Op(handle, pairs, (pa, sa, wa), nbytes)
             self._next_id += 1
             if self._fail_armed:
                 op.inject, op.fail_at = True, self._fail_at

@@ -19,8 +19,9 @@ from mesh_hicache.transfer.segments import IndexArray
 IndexList = Sequence[int] | torch.Tensor | np.ndarray
 IndexPair = tuple[IndexList, IndexList]
 
-_NO_INDICES: IndexArray = np.zeros(0, dtype=np.int64)
-_NO_INDICES.flags.writeable = False
+#: No indices (read-only): the arrays of an empty pair.
+NO_INDICES: IndexArray = np.zeros(0, dtype=np.int64)
+NO_INDICES.flags.writeable = False
 #: Up to this many indices, bounds are checked on the Python ints (two C loops over a short
 #: list cost less than two numpy reductions).
 _SHORT = 32
@@ -31,7 +32,7 @@ def _index_array(values: IndexList) -> IndexArray:
     if isinstance(values, torch.Tensor):
         values = values.detach().to("cpu").numpy()
     elif not len(values):
-        return _NO_INDICES
+        return NO_INDICES
     return np.array(values, dtype=np.int64, copy=True).reshape(-1)
 
 
@@ -61,7 +62,7 @@ def check_indices(
         raise ValueError(f"{what} must be a pair (device indices, host indices)")
     d0, h0 = pair
     if type(d0) in _SEQ and type(h0) in _SEQ and not d0 and not h0:  # nothing (default)
-        return _NO_INDICES, _NO_INDICES, 0
+        return NO_INDICES, NO_INDICES, 0
     packed = _index_block(pair)
     if packed is not None:
         d, h, addr = packed

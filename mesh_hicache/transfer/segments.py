@@ -1,9 +1,12 @@
 """Where each copy of an operation goes: per-(layer, part) segments and bulk row addresses.
 
-A *segment* is one part of one layer: ``k``, ``v`` or ``indexer`` (indexed by pages), or
-``conv`` or ``ssm`` (indexed by Mamba slots). Each segment is a pair of tensors whose rows
-(dim 0) are contiguous and of equal size: the device pool's ``[N, *row]`` tensor of that
-layer and part, and the matching strided view of the page-first host pool (row ``p`` at
+A *segment* is one part of one layer: ``k`` or ``v`` of a full-attention layer, or
+``indexer`` (indexed by pages), ``k`` or ``v`` of a sliding-window layer (indexed by window
+pages: device page ids, host window ids of the ``kv_window`` region), or ``conv`` or
+``ssm`` (indexed by Mamba slots); :class:`IndexKind` says which of an operation's three
+index pairs addresses it. Each segment is a pair of tensors whose rows (dim 0) are
+contiguous and of equal size: the device pool's ``[N, *row]`` tensor of that layer and
+part, and the matching strided view of the page-first host pool (row ``p`` at
 ``host_ptr + p * host_stride``). Pointers, strides and row sizes are read once, when the
 engine is built; the pools never move.
 
@@ -17,7 +20,9 @@ row holds a single layer part, e.g. a one-layer Mamba or indexer region).
 from __future__ import annotations
 
 import ctypes
+import enum
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,6 +35,21 @@ from mesh_hicache.pools.host import HostPools
 from mesh_hicache.spec import Family
 
 IndexArray = np.ndarray  # 1-D int64
+#: An operation's ``(device indices, host indices)`` of every :class:`IndexKind`, in
+#: kind order: pages, slots, windows.
+KindPairs = Sequence[tuple[IndexArray, IndexArray]]
+
+
+class IndexKind(enum.IntEnum):
+    """Which index pair of an operation addresses a segment's rows (its value is the
+    native copy loop's kind column and the position in :data:`KindPairs`)."""
+
+    PAGES = 0
+    """``kv_pages``: ``kv`` and ``indexer``."""
+    SLOTS = 1
+    """``mamba_slots``: ``mamba_conv`` and ``mamba_ssm``."""
+    WINDOWS = 2
+    """``window_pages``: ``kv_window`` (device page ids, host window ids)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +59,8 @@ class Segment:
     layer_pos: int
     """Position of the layer in the engine's ``layer_ids`` (copy order)."""
     part: str
-    paged: bool
-    """True: indexed by KV pages; False: by Mamba slots."""
+    kind: IndexKind
+    """The index pair that addresses its rows."""
     device: torch.Tensor
     host: torch.Tensor
     device_ptr: int
@@ -67,14 +87,16 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
     return True
 
 
-def _segment(pos: int, part: str, paged: bool, dev: torch.Tensor, host: torch.Tensor) -> Segment:
+def _segment(
+    pos: int, part: str, kind: IndexKind, dev: torch.Tensor, host: torch.Tensor
+) -> Segment:
     assert dev.dtype == host.dtype and dev.shape[1:] == host.shape[1:], part
     assert _rows_contiguous(dev) and _rows_contiguous(host), f"{part} rows must be contiguous"
     es = dev.element_size()
     return Segment(
         layer_pos=pos,
         part=part,
-        paged=paged,
+        kind=kind,
         device=dev,
         host=host,
         device_ptr=dev.data_ptr(),
@@ -100,24 +122,27 @@ def build_segments(
         # parts: each family's segments come from its own region.
         families = spec.layer_families(layer)
         if Family.KV in families:
-            # Full-attention and sliding-window layers live in their own regions.
-            name = RegionName.KV_WINDOW if spec.layer_window(layer) else RegionName.KV
+            # Full-attention and sliding-window layers live in their own regions; the
+            # windowed ones' host rows are window ids.
+            name, kind = RegionName.KV, IndexKind.PAGES
+            if spec.layer_window(layer):
+                name, kind = RegionName.KV_WINDOW, IndexKind.WINDOWS
             kv = host.local(name)[:, host.region(name).layer_row(layer)]
-            out.append(_segment(pos, "k", True, dev.k(layer), kv[:, 0]))
+            out.append(_segment(pos, "k", kind, dev.k(layer), kv[:, 0]))
             if spec.kv is not None and spec.kv.values:  # keys-only (MLA latent): no V
-                out.append(_segment(pos, "v", True, dev.v(layer), kv[:, 1]))
+                out.append(_segment(pos, "v", kind, dev.v(layer), kv[:, 1]))
             if layer in indexer_layers:
                 row = host.region(RegionName.INDEXER).layer_row(layer)
                 idx = host.local(RegionName.INDEXER)[:, row]
-                out.append(_segment(pos, "indexer", True, dev.indexer(layer), idx))
+                out.append(_segment(pos, "indexer", IndexKind.PAGES, dev.indexer(layer), idx))
         if Family.MAMBA in families:
             row = host.region(RegionName.MAMBA_CONV).layer_row(layer)
             conv = host.local(RegionName.MAMBA_CONV)[:, row]
-            out.append(_segment(pos, "conv", False, dev.conv(layer), conv))
+            out.append(_segment(pos, "conv", IndexKind.SLOTS, dev.conv(layer), conv))
             if host.layout.has_region(RegionName.MAMBA_SSM):  # else a conv state only
                 row = host.region(RegionName.MAMBA_SSM).layer_row(layer)
                 ssm = host.local(RegionName.MAMBA_SSM)[:, row]
-                out.append(_segment(pos, "ssm", False, dev.ssm(layer), ssm))
+                out.append(_segment(pos, "ssm", IndexKind.SLOTS, dev.ssm(layer), ssm))
     return tuple(out)
 
 
@@ -166,7 +191,7 @@ _NO_ROWS = np.zeros((3, 0), dtype=np.int64)
 class _Group:
     """Segments of one index kind and mergeability: their columns, shaped ``[G, 1]``."""
 
-    paged: bool
+    kind: IndexKind
     merge: bool
     in_block: bool
     ids: np.ndarray
@@ -194,16 +219,18 @@ class SegmentTable:
         #: Segments ``[layer_bounds[p], layer_bounds[p + 1])`` belong to layer position ``p``.
         self.layer_bounds: list[int] = self._layer_start.tolist()
         #: One row per segment, for the native copy loop (mesh_hicache/native.py): device
-        #: address, device stride, host address, host stride, row bytes, paged (1) or not.
+        #: address, device stride, host address, host stride, row bytes, index kind.
         self.native_table = np.array(
             [
-                (s.device_ptr, s.device_stride, s.host_ptr, s.host_stride, s.row_bytes, s.paged)
+                (s.device_ptr, s.device_stride, s.host_ptr, s.host_stride, s.row_bytes, s.kind)
                 for s in segments
             ],
             dtype=np.int64,
         ).reshape(len(segments), 6)
-        self._page_bytes = sum(s.row_bytes for s in segments if s.paged)
-        self._slot_bytes = sum(s.row_bytes for s in segments if not s.paged)
+        #: Bytes of one index pair of each kind over every segment (one direction).
+        self.kind_bytes: tuple[int, ...] = tuple(
+            sum(s.row_bytes for s in segments if s.kind is kind) for kind in IndexKind
+        )
         self._blocks = _small_row_blocks(segments)
         small = {int(i) for b in self._blocks for i in b.ids}
         #: Whether some segment's rows are not covered by :meth:`small_row_copies`.
@@ -211,11 +238,11 @@ class SegmentTable:
         # Segments grouped by (index kind, mergeable, in a small-row block); ids ascending
         # = layer-major.
         self._groups: list[_Group] = []
-        for paged, merge, in_block in itertools.product((True, False), repeat=3):
+        for kind, merge, in_block in itertools.product(IndexKind, (True, False), (True, False)):
             ids = [
                 i
                 for i, s in enumerate(segments)
-                if s.paged is paged and s.mergeable is merge and (i in small) is in_block
+                if s.kind is kind and s.mergeable is merge and (i in small) is in_block
             ]
             if not ids:
                 continue
@@ -225,7 +252,7 @@ class SegmentTable:
 
             self._groups.append(
                 _Group(
-                    paged,
+                    kind,
                     merge,
                     in_block,
                     np.array(ids, dtype=np.int64),
@@ -237,30 +264,25 @@ class SegmentTable:
                 )
             )
 
-    def op_bytes(
-        self, pages: tuple[IndexArray, IndexArray], slots: tuple[IndexArray, IndexArray]
-    ) -> int:
-        """Bytes an operation with these indices moves (one direction)."""
-        return pages[0].shape[0] * self._page_bytes + slots[0].shape[0] * self._slot_bytes
+    def op_bytes(self, pairs: KindPairs) -> int:
+        """Bytes an operation with these index pairs (pages, slots, windows) moves (one
+        direction)."""
+        (pages, _), (slots, _), (windows, _) = pairs
+        page, slot, window = self.kind_bytes
+        return pages.shape[0] * page + slots.shape[0] * slot + windows.shape[0] * window
 
-    def mem_rows(
-        self,
-        backup: bool,
-        pages: tuple[IndexArray, IndexArray],
-        slots: tuple[IndexArray, IndexArray],
-        skip_small: bool = False,
-    ) -> MemRows:
+    def mem_rows(self, backup: bool, pairs: KindPairs, skip_small: bool = False) -> MemRows:
         """Every copy of an operation as raw addresses (valid for CPU memory only).
 
-        ``pages``/``slots`` are ``(device indices, host indices)``; ``backup`` copies device
-        -> host, else host -> device. A few numpy calls per group of segments, whatever
-        the number of rows or layers. ``skip_small`` leaves out the segments that
-        :meth:`small_row_copies` covers.
+        ``pairs`` holds the ``(device indices, host indices)`` of each :class:`IndexKind`
+        (pages, slots, windows); ``backup`` copies device -> host, else host -> device. A
+        few numpy calls per group of segments, whatever the number of rows or layers.
+        ``skip_small`` leaves out the segments that :meth:`small_row_copies` covers.
         """
         counts = np.zeros(len(self.segments) + 1, dtype=np.int64)  # [0] stays 0
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for g in self._groups:
-            dev_idx, host_idx = pages if g.paged else slots
+            dev_idx, host_idx = pairs[g.kind]
             if dev_idx.shape[0] == 0 or (skip_small and g.in_block):
                 continue
             if g.merge:
@@ -287,16 +309,14 @@ class SegmentTable:
         return _mem_rows(np.concatenate(rows).reshape(3, -1), bounds)
 
     def small_row_copies(
-        self,
-        backup: bool,
-        pages: tuple[IndexArray, IndexArray],
-        slots: tuple[IndexArray, IndexArray],
+        self, backup: bool, pairs: KindPairs
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """The rows of small-row segments as ``(dst, dst_rows, src, src_rows)``: one numpy
-        fancy copy ``dst[dst_rows] = src[src_rows]`` per block of segments (CPU memory)."""
+        fancy copy ``dst[dst_rows] = src[src_rows]`` per block of segments (CPU memory);
+        ``pairs`` as for :meth:`mem_rows`."""
         out = []
         for b in self._blocks:
-            dev_idx, host_idx = pages if b.paged else slots
+            dev_idx, host_idx = pairs[b.kind]
             if dev_idx.shape[0] == 0:
                 continue
             dev = (b.dev_row0 + dev_idx * b.dev_step).ravel()
@@ -316,7 +336,7 @@ class _Block:
     """Small-row segments whose rows are elements of one array on each side: row ``i``
     of segment ``j`` is ``dev[dev_row0[j] + i * dev_step[j]]`` (likewise for the host)."""
 
-    paged: bool
+    kind: IndexKind
     ids: np.ndarray
     dev: np.ndarray
     host: np.ndarray
@@ -334,7 +354,7 @@ def _rows_of(buffer: tuple[int, int], row: int) -> np.ndarray:
 
 
 def _small_row_blocks(segments: tuple[Segment, ...]) -> list[_Block]:
-    keys: dict[tuple[bool, tuple[int, int], tuple[int, int], int], list[int]] = {}
+    keys: dict[tuple[IndexKind, tuple[int, int], tuple[int, int], int], list[int]] = {}
     for i, s in enumerate(segments):
         r = s.row_bytes
         if not 0 < r <= SMALL_ROW_BYTES or s.device.device.type != "cpu":
@@ -344,15 +364,15 @@ def _small_row_blocks(segments: tuple[Segment, ...]) -> list[_Block]:
         offsets = (s.device_ptr - s.device_buffer[0], s.host_ptr - s.host_buffer[0])
         if any(x % r for x in (*offsets, s.device_stride, s.host_stride)):
             continue
-        keys.setdefault((s.paged, s.device_buffer, s.host_buffer, r), []).append(i)
+        keys.setdefault((s.kind, s.device_buffer, s.host_buffer, r), []).append(i)
     return [
-        _block(paged, [segments[i] for i in ids], ids, dev_buf, host_buf, row)
-        for (paged, dev_buf, host_buf, row), ids in keys.items()
+        _block(kind, [segments[i] for i in ids], ids, dev_buf, host_buf, row)
+        for (kind, dev_buf, host_buf, row), ids in keys.items()
     ]
 
 
 def _block(
-    paged: bool,
+    kind: IndexKind,
     members: list[Segment],
     ids: list[int],
     dev_buf: tuple[int, int],
@@ -363,7 +383,7 @@ def _block(
         return np.array(values, dtype=np.int64)[:, None]
 
     return _Block(
-        paged,
+        kind,
         np.array(ids, dtype=np.int64),
         _rows_of(dev_buf, row),
         _rows_of(host_buf, row),

@@ -159,8 +159,9 @@ def add_cache_args(p: argparse.ArgumentParser, machine_sized: bool = False) -> N
         "--window-checkpoint-tokens",
         type=int,
         default=2048,
-        help="sliding-window models: L3 keeps a windowed layer's pages only before node ends "
-        "and every multiple of this many tokens (a multiple of the page size; 0: every page)",
+        help="sliding-window models: L2 and L3 keep a windowed layer's pages only before node "
+        "ends and every multiple of this many tokens (a multiple of the page size; 0: every "
+        "page)",
     )
 
 

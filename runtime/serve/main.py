@@ -170,9 +170,10 @@ def check_args(args: argparse.Namespace) -> None:
     cfg = cache_config(args)
     if cfg is not None:  # a byte budget must hold a page and a state on every rank
         shape = (args.pp, args.cp, args.tp)
-        for budget in (cfg.device_bytes, cfg.host_arena_bytes() if cfg.enable_host else 0):
-            if budget:
-                mesh_plan(spec, shape, args.cp_kv, budget, cfg.block_bytes)
+        host = cfg.host_arena_bytes() if cfg.enable_host else 0
+        for budget, separate_windows in ((cfg.device_bytes, False), (host, True)):
+            if budget:  # the host arena keeps windowed pages apart (pools/host.py)
+                mesh_plan(spec, shape, args.cp_kv, budget, cfg.block_bytes, separate_windows)
     trace = workload(args, config.vocab_size)
     if args.prompts:
         trace = prompts

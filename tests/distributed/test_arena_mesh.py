@@ -42,7 +42,7 @@ def _dtensor_body(mesh, kv_heads: int, cp_kv: str):
     spec = make_spec(kv_heads)
     layout = StateLayout(spec, topo, cp_kv)
     agree = Consensus.over(topo, "pp", "cp", "tp")
-    page, slot = ArenaPlan.item_bytes(layout)
+    page, slot, _ = ArenaPlan.item_bytes(layout)
     # Budgets differ per rank: the agreed plan uses the smallest, so all hold the same.
     plan = agreed_plan(layout, 6 * page + 3 * slot + 977 * sum(topo.coords), agree)
     host = HostPools(layout, topology=topo, pinned=False, arena=plan)
@@ -87,7 +87,7 @@ def test_arena_host_dtensors_match_the_global_reference(shape, kv_heads, cp_kv):
 def _cache_body(mesh):
     topo = MeshTopology.from_mesh(mesh)
     spec = cache_spec()
-    page, slot = ArenaPlan.item_bytes(StateLayout(spec, topo, "replicate"))
+    page, slot, _ = ArenaPlan.item_bytes(StateLayout(spec, topo, "replicate"))
     config = HiCacheConfig(
         device_bytes=6 * page + 2 * slot,
         host_bytes=20 * page + 8 * slot,

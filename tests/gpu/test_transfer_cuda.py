@@ -13,6 +13,7 @@ from mesh_hicache.transfer import TransferKind, make_transfer_engine
 from mesh_hicache.transfer.cuda import CudaTransferEngine
 from tests.unit.transfer_support import (
     LAYERS,
+    WINDOW_LAYERS,
     host_views,
     naive_apply,
     one_layer_spec,
@@ -21,6 +22,7 @@ from tests.unit.transfer_support import (
     snapshot,
     spec,
     tensors,
+    window_spec,
 )
 
 pytestmark = [
@@ -187,3 +189,46 @@ def test_cuda_backup_sees_writes_on_the_submitters_stream():
     assert h.wait(timeout=60)
     assert host.local("kv")[2, 0, 0].float().eq(3.0).all()
     eng.close()
+
+
+@pytest.mark.parametrize("staging_bytes", [None, 256], ids=["staging-64MiB", "staging-tiny"])
+def test_cuda_window_pages_go_by_their_own_ids(staging_bytes):
+    # Windowed layers' K/V by (device page, host window id) pairs, mixed with pages and
+    # slots; host window ids are fewer than host pages and unrelated to them.
+    gen = torch.Generator().manual_seed(17)
+    layout = StateLayout.for_coords(window_spec(), (1, 1, 1), (0, 0, 0))
+    dev = DevicePools(layout, num_pages=16, num_slots=6, device="cuda")
+    host = HostPools(layout, num_pages=24, num_slots=8, num_window_pages=10)
+    if staging_bytes is None:
+        eng = make_transfer_engine(dev, host, kind="cuda")
+    else:
+        eng = CudaTransferEngine(dev, host, staging_bytes=staging_bytes)
+    randomize(dev, gen)
+    for t in host_views(host).values():
+        raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+        raw.copy_(torch.randint(-(2**15), 2**15, raw.shape, generator=gen).to(raw.dtype))
+    ref_dev = {k: v.cpu() for k, v in tensors(dev).items()}
+    ref_host = {k: v.clone() for k, v in host_views(host).items()}
+    ops = []
+    for kind, pages, slots in random_ops(gen, count=20):
+        k = int(torch.randint(0, len(pages[0]) + 1, (1,), generator=gen))
+        windows = (pages[0][:k], torch.randperm(10, generator=gen)[:k].tolist())
+        ops.append((kind, pages, slots, windows))
+    ops.append((TransferKind.BACKUP, ([3, 4, 5], [0, 1, 2]), ((), ()), ([3, 4, 5], [9, 8, 7])))
+    handles = [
+        (eng.backup if k is TransferKind.BACKUP else eng.load)(p, s, w) for k, p, s, w in ops
+    ]
+    h = eng.load(([0, 1, 2], [0, 1, 2]), window_pages=([10, 11, 12], [9, 8, 7]))
+    assert all(h.wait_layer(layer, timeout=60) for layer in LAYERS)
+    assert all(x.wait(timeout=60) for x in handles) and h.wait()
+    with pytest.raises(ValueError, match="window_pages: host index out of range"):
+        eng.backup(window_pages=([0], [10]))
+    eng.close()
+    ops.append((TransferKind.LOAD, ([0, 1, 2], [0, 1, 2]), ((), ()), ([10, 11, 12], [9, 8, 7])))
+    for kind, pages, slots, windows in ops:
+        naive_apply(ref_dev, ref_host, kind, pages, slots, windows, WINDOW_LAYERS)
+    torch.cuda.synchronize()
+    for key, t in tensors(dev).items():
+        assert same_bits(t.cpu(), ref_dev[key]), key
+    for key, t in host_views(host).items():
+        assert same_bits(t, ref_host[key]), key

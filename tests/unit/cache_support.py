@@ -84,7 +84,7 @@ def budget_overrides(spec: StateSpec | None = None, **counts: int) -> dict[str, 
     n = dict(device_pages=8, device_mamba_slots=4, host_pages=16, host_mamba_slots=8)
     n.update(counts)
     layout = StateLayout.for_coords(spec or make_spec(), (1, 1, 1), (0, 0, 0))
-    page, slot = ArenaPlan.item_bytes(layout)
+    page, slot, _ = ArenaPlan.item_bytes(layout)
     return dict(
         device_pages=0,
         device_mamba_slots=0,

@@ -1,5 +1,6 @@
 """One arena per tier (mesh_hicache/pools/arena.py): block accounting, placement,
-fragmentation, the pools' views over it, transfers between arenas, and the config."""
+fragmentation, the pools' views over it, transfers between arenas, the config, and the
+window kind of a host arena (kv_window rows apart from pages)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,19 @@ import torch
 from mesh_hicache.config import HiCacheConfig
 from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools
-from mesh_hicache.pools.arena import ALIGN, MAX_WASTE, ArenaPlan, BlockArena, default_block_bytes
+from mesh_hicache.pools.arena import (
+    ALIGN,
+    MAX_WASTE,
+    ArenaPlan,
+    BlockArena,
+    ItemKind,
+    agreed_plan,
+    default_block_bytes,
+    mesh_plan,
+)
 from mesh_hicache.spec import Family
 from mesh_hicache.transfer import CpuTransferEngine
-from tests.unit.test_pools import spec
+from tests.unit.test_pools import spec, window_spec
 
 
 def layout() -> StateLayout:
@@ -22,7 +32,7 @@ def layout() -> StateLayout:
 
 
 def plan_of(budget: int, block_bytes: int = 0) -> ArenaPlan:
-    page, slot = ArenaPlan.item_bytes(layout())
+    page, slot, _ = ArenaPlan.item_bytes(layout())
     return ArenaPlan.for_budget(budget, page, slot, block_bytes)
 
 
@@ -49,11 +59,11 @@ def test_budget_is_never_exceeded_and_counts_are_derived():
         assert plan.blocks_per_page * plan.block_bytes >= plan.page_bytes
         assert plan.blocks_per_slot * plan.block_bytes >= plan.slot_bytes
         assert plan.max_pages == plan.num_blocks // plan.blocks_per_page
-        assert plan.num_ids(True) == plan.num_blocks - plan.blocks_per_page + 1
+        assert plan.num_ids("page") == plan.num_blocks - plan.blocks_per_page + 1
 
 
 def test_a_budget_below_one_page_or_state_is_a_value_error():
-    page, slot = ArenaPlan.item_bytes(layout())
+    page, slot, _ = ArenaPlan.item_bytes(layout())
     with pytest.raises(ValueError, match="fewer than one page"):
         ArenaPlan.for_budget(page - 1, page, slot)
     with pytest.raises(ValueError, match="block_bytes a positive multiple"):
@@ -115,13 +125,21 @@ def test_fragmentation_a_state_needs_consecutive_blocks():
     arena.check_integrity()
 
 
-def test_random_mixed_traffic_keeps_the_blocks_tiled():
-    rng = random.Random(5)
-    arena = small_arena(num_blocks=64, page=2, slot=5)
-    held: dict[str, list[int]] = {"page": [], "slot": []}
+@pytest.mark.parametrize("windows", [False, True], ids=["pages-slots", "three-kinds"])
+def test_random_mixed_traffic_keeps_the_blocks_tiled(windows):
+    rng = random.Random(9 if windows else 5)
+    size = {"page": 2, "slot": 5}
+    if windows:
+        arena = windowed_arena(num_blocks=64, page=2, slot=5, window=1)
+        spaces = {"page": arena.pages, "slot": arena.slots, "window": arena.windows}
+        size["window"] = 1
+    else:
+        arena = small_arena(num_blocks=64, page=2, slot=5)
+        spaces = {"page": arena.pages, "slot": arena.slots}
+    held: dict[str, list[int]] = {kind: [] for kind in spaces}
     for _ in range(2000):
-        kind = rng.choice(("page", "slot"))
-        ids = arena.pages if kind == "page" else arena.slots
+        kind = rng.choice(tuple(spaces))
+        ids = spaces[kind]
         if held[kind] and rng.random() < 0.45:
             victims = rng.sample(held[kind], rng.randint(1, len(held[kind])))
             ids.free(victims)
@@ -132,7 +150,7 @@ def test_random_mixed_traffic_keeps_the_blocks_tiled():
             assert fits == (ids.num_free >= n)
             if fits:
                 held[kind] += ids.allocate(n)
-        used = 2 * len(held["page"]) + 5 * len(held["slot"])
+        used = sum(size[k] * len(held[k]) for k in held)
         assert used == arena.used_blocks <= arena.num_blocks
     arena.check_integrity()
 
@@ -151,7 +169,7 @@ def test_device_views_match_the_fixed_pools_and_never_overlap_across_items():
     assert dev.indexer(2).shape[1:] == fixed.indexer(2).shape[1:]
     assert dev.conv(1).shape[1:] == fixed.conv(1).shape[1:]
     assert dev.ssm(4).shape[1:] == fixed.ssm(4).shape[1:]
-    assert dev.k(0).shape[0] == dev.num_pages == plan.num_ids(True)
+    assert dev.k(0).shape[0] == dev.num_pages == plan.num_ids("page")
     assert dev.nbytes == plan.nbytes <= 20_000
     pages = dev.page_allocator.allocate(3)
     slots = dev.slot_allocator.allocate(2)
@@ -280,3 +298,240 @@ def test_host_from_ratio_of_a_device_arena_is_an_arena():
     assert host.arena is not None and dev.arena is not None
     assert host.arena.plan.num_blocks == int(2.5 * dev.arena.plan.num_blocks)
     assert host.arena.plan.block_bytes == dev.arena.plan.block_bytes
+
+
+# -- a third kind: windows (kv_window rows apart from pages, the host arena) ---------------
+
+
+def window_layout() -> StateLayout:
+    return StateLayout.for_coords(window_spec(), (1, 1, 1), (0, 0, 0))
+
+
+def window_plan(budget: int) -> ArenaPlan:
+    page, slot, window = ArenaPlan.item_bytes(window_layout(), separate_windows=True)
+    return ArenaPlan.for_budget(budget, page, slot, window_bytes=window)
+
+
+def windowed_arena(num_blocks: int = 16, page: int = 2, slot: int = 3, window: int = 1):
+    return BlockArena(ArenaPlan(num_blocks, ALIGN, page * ALIGN, slot * ALIGN, window * ALIGN))
+
+
+@pytest.mark.parametrize(
+    ("page", "slot", "window"),
+    [(4096, 43008, 2048), (1 << 20, 26_800_000, 3 << 19), (2464, 0, 1232), (112, 96, 7000)],
+)
+def test_default_block_size_bounds_the_waste_of_all_three_kinds(page, slot, window):
+    block = default_block_bytes(page, slot, window)
+    assert block % ALIGN == 0
+    for size in (page, slot, window):
+        if size:
+            blocks = -(-size // block)
+            assert (blocks * block - size) / size <= MAX_WASTE, (size, block)
+    assert default_block_bytes(page, slot, 0) == default_block_bytes(page, slot)
+
+
+def test_item_bytes_keep_windows_in_the_page_unless_separate():
+    lay = window_layout()
+    page, slot, window = ArenaPlan.item_bytes(lay)
+    assert window == 0
+    sep_page, sep_slot, sep_window = ArenaPlan.item_bytes(lay, separate_windows=True)
+    assert sep_slot == slot and sep_window >= lay.region("kv_window").row_bytes > 0
+    assert sep_page + sep_window == page  # every row starts aligned either way
+    # Without kv_window nothing is separate.
+    assert ArenaPlan.item_bytes(layout(), separate_windows=True) == (*plan_of_items(), 0)
+
+
+def plan_of_items() -> tuple[int, int]:
+    page, slot, window = ArenaPlan.item_bytes(layout())
+    assert window == 0
+    return page, slot
+
+
+def test_the_plan_counts_windows_per_kind():
+    plan = ArenaPlan(20, ALIGN, 2 * ALIGN, 5 * ALIGN, ALIGN + 1)
+    assert (plan.blocks_per_page, plan.blocks_per_slot, plan.blocks_per_window) == (2, 5, 2)
+    assert (plan.num_ids("page"), plan.num_ids("slot"), plan.num_ids("window")) == (19, 16, 19)
+    assert (plan.max_pages, plan.max_slots, plan.max_windows) == (10, 4, 10)
+    no_windows = ArenaPlan(20, ALIGN, 2 * ALIGN, 5 * ALIGN)
+    assert no_windows.num_ids("window") == no_windows.max_windows == 0
+    assert BlockArena(no_windows).windows.capacity == 0
+    assert not BlockArena(no_windows).windows.can_allocate(1)
+    with pytest.raises(ValueError, match="unknown arena item kind"):
+        plan.num_ids("state")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fewer than one page .* or one window"):
+        ArenaPlan.for_budget(4 * ALIGN, ALIGN, 0, ALIGN, window_bytes=5 * ALIGN)
+
+
+def test_three_kinds_share_the_blocks():
+    arena = windowed_arena()  # 16 blocks: pages of 2, states of 3, windows of 1
+    assert arena.pages.allocate(2) == [0, 2]
+    assert arena.windows.allocate(3) == [4, 5, 6]  # from the low end, like pages
+    assert arena.slots.allocate(2) == [10, 13]  # from the high end
+    assert arena.free_blocks == 3 and arena.windows.num_free == 3
+    assert arena.pages.num_free == 1 and arena.slots.num_free == 1
+    assert arena.pages.allocate(1) == [7] and not arena.slots.can_allocate(1)
+    assert arena.windows.allocate(1) == [9] and arena.free_blocks == 0
+    with pytest.raises(ValueError, match="window id 0"):
+        arena.windows.free([0])  # a page id is foreign to the window id space
+    with pytest.raises(ValueError, match="double or foreign free of window id 4"):
+        arena.windows.free([4, 4])
+    # Fragmentation: freed windows are holes of one block; a state needs three in a row.
+    arena.windows.free([4, 6])
+    assert arena.free_blocks == 2 and not arena.slots.can_allocate(1)
+    assert not arena.pages.can_allocate(1)  # 4 and 6 are not adjacent
+    arena.windows.free([5])  # blocks 4-6 are one run now
+    assert arena.slots.allocate(1) == [4]
+    assert "windows=1 x 1" in repr(arena)
+    arena.check_integrity()
+    for kind in arena.kinds:
+        kind.free(sorted(kind.allocated))
+    assert arena.free_blocks == arena.largest_free_run == 16
+    arena.check_integrity()
+
+
+def test_integrity_check_covers_windows():
+    arena = windowed_arena()
+    arena.pages.allocate(1)  # blocks 0-1
+    arena.windows.allocate(1)  # block 2
+    arena.check_integrity()
+    arena.windows.allocated.add(1)  # a window inside the page: overlap
+    with pytest.raises(RuntimeError, match="overlaps another extent"):
+        arena.check_integrity()
+    arena.windows.allocated.discard(1)
+    arena.windows.allocated.discard(2)  # block 2 neither free nor held
+    with pytest.raises(RuntimeError, match="leaks block 2"):
+        arena.check_integrity()
+
+
+def test_region_views_use_the_id_space_of_their_kind():
+    lay = window_layout()
+    plan = window_plan(30_000)
+    buffer = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    kinds: dict[str, ItemKind] = {"kv": "page", "indexer": "page", "kv_window": "window"}
+    kinds |= {"mamba_conv": "slot", "mamba_ssm": "slot"}
+    for region in lay.regions:
+        view = plan.region_view(buffer, lay, region)
+        assert view.shape == (plan.num_ids(kinds[region.name.value]), *region.local_shape)
+        assert view.stride(0) * view.element_size() == plan.block_bytes
+    # A window's row starts its item; the page's rows follow one another without it.
+    window = plan.region_view(buffer, lay, lay.region("kv_window"))
+    assert window.data_ptr() == buffer.data_ptr()
+    indexer = plan.region_view(buffer, lay, lay.region("indexer"))
+    kv_bytes = -(-lay.region("kv").row_bytes // ALIGN) * ALIGN
+    assert indexer.data_ptr() == buffer.data_ptr() + kv_bytes
+    # Without separate windows, kv_window is part of the page (the device arena).
+    page, slot, _ = ArenaPlan.item_bytes(lay)
+    joint = ArenaPlan.for_budget(30_000, page, slot)
+    view = joint.region_view(
+        torch.zeros(joint.nbytes, dtype=torch.uint8), lay, lay.region("kv_window")
+    )
+    assert view.shape[0] == joint.num_ids("page")
+
+
+def test_windowed_host_arena_rows_never_overlap():
+    lay = window_layout()
+    plan = window_plan(30_000)
+    host = HostPools(lay, arena=plan, pinned=False)
+    assert host.arena is not None and host.window_allocator is host.arena.windows
+    assert host.num_window_pages == plan.num_ids("window") == host.local("kv_window").shape[0]
+    assert host.max_window_pages == plan.max_windows > 0
+    assert host.max_pages == plan.max_pages and host.max_slots == plan.max_slots
+    pages = host.page_allocator.allocate(3)
+    windows = host.window_allocator.allocate(4)
+    slots = host.slot_allocator.allocate(2)
+    host.arena.check_integrity()
+    ids = {"kv": pages, "indexer": pages, "kv_window": windows}
+    ids |= {"mamba_conv": slots, "mamba_ssm": slots}
+    values: dict[tuple[str, int], int] = {}
+    for region in lay.regions:  # a distinct byte in every allocated row of every region
+        for i in ids[region.name.value]:
+            values[(region.name.value, i)] = v = len(values) + 1
+            row = host.row(region.name, i)
+            assert row.is_contiguous() and row.shape == region.local_shape
+            row.view(torch.uint8).fill_(v)
+    for (name, i), v in values.items():
+        assert host.row(name, i).view(torch.uint8).eq(v).all(), (name, i)
+    (buffer,) = host.buffers()
+    written = sum(lay.region(name).row_bytes for name, _ in values)
+    assert int(buffer.ne(0).sum()) == written
+    # A windowed layout's host arena needs the window kind; a device arena must not have it.
+    page, slot, _ = ArenaPlan.item_bytes(lay)
+    with pytest.raises(ValueError, match="needs a window kind"):
+        HostPools(lay, arena=ArenaPlan.for_budget(30_000, page, slot), pinned=False)
+    with pytest.raises(ValueError, match="keeps kv_window in its pages"):
+        DevicePools(lay, arena=plan)
+
+
+def test_host_from_ratio_of_a_windowed_device_arena_separates_windows():
+    lay = window_layout()
+    page, slot, _ = ArenaPlan.item_bytes(lay)
+    dev = DevicePools(lay, arena=ArenaPlan.for_budget(20_000, page, slot))
+    assert dev.arena is not None
+    host = HostPools.from_ratio(dev, 2.5, pinned=False)
+    assert host.arena is not None
+    p, d = host.arena.plan, dev.arena.plan
+    assert (p.num_blocks, p.block_bytes) == (int(2.5 * d.num_blocks), d.block_bytes)
+    assert (p.page_bytes, p.slot_bytes, p.window_bytes) == ArenaPlan.item_bytes(lay, True)
+    assert host.num_window_pages == p.num_ids("window")
+
+
+class _OneRank:
+    """Stands in for a Consensus of one rank; counts the collectives."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def min_max(self, values):
+        self.calls.append(list(values))
+        return list(values), list(values)
+
+
+def test_agreed_and_mesh_plans_with_windows():
+    lay = window_layout()
+    agree = _OneRank()
+    plan = agreed_plan(lay, 30_000, agree, separate_windows=True)  # type: ignore[arg-type]
+    assert len(agree.calls) == 1  # budget, page, slot and window bytes in one collective
+    assert plan == window_plan(30_000) and plan.window_bytes > 0
+    assert plan == mesh_plan(window_spec(), (1, 1, 1), "replicate", 30_000, 0, True)
+    device = agreed_plan(lay, 30_000, agree)  # type: ignore[arg-type]
+    assert device.window_bytes == 0 and len(agree.calls) == 2
+    assert device == mesh_plan(window_spec(), (1, 1, 1), "replicate", 30_000)
+
+
+def windowed_arena_round_trip(device: str, pinned: bool, make_engine) -> None:
+    """Random bits in 3 pages of a windowed device arena (kv_window inside its pages) ->
+    a host arena with a window kind, the windows of 2 of the pages by their own (reversed)
+    ids -> back, bit-exact; the page whose window was not copied keeps zeros there.
+    Shared with tests/gpu/test_arena_cuda.py."""
+    lay = window_layout()
+    gen = torch.Generator().manual_seed(4)
+    page, slot, _ = ArenaPlan.item_bytes(lay)
+    dev = DevicePools(lay, arena=ArenaPlan.for_budget(20_000, page, slot), device=device)
+    host = HostPools(lay, arena=window_plan(40_000), pinned=pinned)
+    pages, slots = dev.page_allocator.allocate(3), dev.slot_allocator.allocate(1)
+    views = {(layer, name): getattr(dev, name) for layer in dev.layers(Family.KV) for name in "kv"}
+    for (layer, _), fn in views.items():
+        t = fn(layer)
+        raw = torch.randint(0, 256, (t.numel() * t.element_size(),), generator=gen)
+        t.copy_(raw.to(torch.uint8).view(t.dtype).view(t.shape))
+    want = {key: fn(key[0]).cpu() for key, fn in views.items()}
+    host_pages = host.page_allocator.allocate(3)
+    host_windows = host.window_allocator.allocate(2)[::-1]  # two of the three, reversed
+    host_slots = host.slot_allocator.allocate(1)
+    windowed = window_spec().window_layer_ids
+    with make_engine(dev, host) as engine:
+        pairs = ((pages, host_pages), (slots, host_slots), (pages[1:], host_windows))
+        assert engine.backup(*pairs).wait()
+        for (layer, _), fn in views.items():
+            fn(layer).zero_()
+        assert engine.load(*pairs).wait()
+    for (layer, name), fn in views.items():
+        ids = pages[1:] if layer in windowed else pages
+        got = fn(layer)[ids].cpu()
+        assert torch.equal(got.view(torch.uint8), want[(layer, name)][ids].view(torch.uint8))
+        if layer in windowed:  # the page loaded without its window stays zero
+            assert fn(layer)[pages[0]].view(torch.uint8).eq(0).all()
+
+
+def test_backup_and_load_between_windowed_arenas_are_bit_exact():
+    windowed_arena_round_trip("cpu", False, CpuTransferEngine)

@@ -35,7 +35,7 @@ def _layout() -> StateLayout:
 
 def _plan(pages: int, slots: int) -> ArenaPlan:
     """An arena of exactly ``pages`` pages plus ``slots`` states, blocks of one page."""
-    page, slot = ArenaPlan.item_bytes(_layout())
+    page, slot, _ = ArenaPlan.item_bytes(_layout())
     per_slot = -(-slot // page)
     return ArenaPlan(pages + slots * per_slot, page, page, slot)
 
@@ -140,7 +140,7 @@ def test_an_arena_evicts_old_pages_for_a_state(single_rank_group):
 
 def _budget_config(**overrides) -> HiCacheConfig:
     layout = _layout()
-    page, slot = ArenaPlan.item_bytes(layout)
+    page, slot, _ = ArenaPlan.item_bytes(layout)
     kw = dict(
         device_bytes=8 * page + 4 * slot,
         host_bytes=64 * page + 32 * slot,

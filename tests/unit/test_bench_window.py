@@ -72,3 +72,24 @@ def test_l3_replay_stores_fewer_windowed_pages(tmp_path, capsys) -> None:
     cap = capped[0]["store_cap"]
     assert cap == int(0.5 * every["store_bytes"]) and capped[1]["store_cap"] == cap
     assert all(c["store_bytes"] <= cap for c in capped)
+
+
+def test_host_replay_keeps_fewer_windowed_pages_at_equal_bytes(tmp_path, capsys) -> None:
+    import bench_window_host as host
+
+    out = tmp_path / "host.json"
+    argv = ["--sessions", "4", "--checkpoints", "256", "--device-pages", "64"]
+    assert host.main([*argv, "--host-pages", "128", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "window_host"
+    every, sparse = result["results"]["runs"]  # 0 (every page) is added as the baseline
+    assert every["checkpoint_tokens"] == 0 and sparse["checkpoint_tokens"] == 256
+    # Every page: one window row per host page, the bytes of 24 full layers per token.
+    assert every["host_window_rows"] == every["host_pages"] > 0
+    assert every["l2_bytes_per_cached_token"] == 24 * 2 * 8 * 64 * 2
+    # Sparse, in the same bytes: fewer rows per page, so more pages held.
+    assert 0 < sparse["host_window_rows"] < sparse["host_pages"]
+    assert sparse["host_pages"] > every["host_pages"]
+    assert 0.5 < sparse["bytes_ratio"] < 1.0
+    for r in (every, sparse):
+        assert 0.0 < r["served"]["host_share"] <= r["served"]["token_hit_rate"] <= 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from mesh_hicache.consensus import Consensus
 from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools, PageAllocator
-from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
+from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec, WindowSpec
 
 
 def spec() -> StateSpec:
@@ -138,3 +139,93 @@ def test_host_pool_sizing(single_rank_group):
     assert sized.nbytes <= budget
     with pytest.raises(ValueError, match="ratio"):
         HostPools.from_ratio(dev, 0)
+
+
+# -- windowed layers: kv_window rows have an id space of their own -------------------------
+
+
+def window_spec() -> StateSpec:
+    """:func:`spec` with KV layers 0 and 3 sliding-window (their K/V in ``kv_window``)."""
+    group = WindowSpec(layer_ids=(0, 3), window=8, sink_tokens=1)
+    return dataclasses.replace(spec(), windows=(group,))
+
+
+def fill_distinct(host: HostPools, ids: dict[str, list[int]]) -> dict[tuple[str, int], int]:
+    """A distinct byte value in every given row of every region (``ids`` by region name);
+    the value each (region, id) got."""
+    values: dict[tuple[str, int], int] = {}
+    for region in host.layout.regions:
+        for i in ids[region.name.value]:
+            values[(region.name.value, i)] = v = len(values) + 1
+            host.row(region.name, i).view(torch.uint8).fill_(v)
+    return values
+
+
+def check_distinct(host: HostPools, values: dict[tuple[str, int], int]) -> None:
+    for (name, i), v in values.items():
+        assert host.row(name, i).view(torch.uint8).eq(v).all(), (name, i)
+
+
+def test_fixed_host_pool_has_a_window_id_space():
+    lay = StateLayout.for_coords(window_spec(), (1, 1, 1), (0, 0, 0))
+    host = HostPools(lay, num_pages=6, num_slots=2, num_window_pages=3, pinned=False)
+    assert (host.num_pages, host.num_slots, host.num_window_pages) == (6, 2, 3)
+    assert host.window_allocator.capacity == 3 and host.max_window_pages == 3
+    assert host.page_allocator.capacity == 6 and host.max_pages == 6
+    region = lay.region("kv_window")
+    assert host.local("kv_window").shape == (3, *region.local_shape)
+    assert host.local("kv").shape[0] == 6 and host.local("indexer").shape[0] == 6
+    for i in range(3):
+        row = host.row("kv_window", i)
+        assert row.is_contiguous() and row.numel() * row.element_size() == region.row_bytes
+    with pytest.raises(IndexError):
+        host.row("kv_window", 3)
+    values = fill_distinct(
+        host,
+        {
+            "kv": list(range(6)),
+            "indexer": list(range(6)),
+            "kv_window": list(range(3)),
+            "mamba_conv": [0, 1],
+            "mamba_ssm": [0, 1],
+        },
+    )
+    check_distinct(host, values)
+    assert host.nbytes == sum(
+        r.row_bytes * {"kv_window": 3, "mamba_conv": 2, "mamba_ssm": 2}.get(r.name.value, 6)
+        for r in lay.regions
+    )
+    assert "windows=3" in repr(host)
+    # Default: one window id per page.
+    same = HostPools(lay, num_pages=5, num_slots=1, pinned=False)
+    assert same.num_window_pages == same.window_allocator.capacity == 5
+    with pytest.raises(ValueError, match="num_window_pages=-1"):
+        HostPools(lay, num_pages=5, num_window_pages=-1, pinned=False)
+
+
+def test_host_pool_without_windows_is_unchanged():
+    lay = StateLayout.for_coords(spec(), (1, 1, 1), (0, 0, 0))
+    host = HostPools(lay, num_pages=4, num_slots=2, num_window_pages=9, pinned=False)
+    assert host.num_window_pages == host.max_window_pages == 0
+    assert isinstance(host.window_allocator, PageAllocator)
+    assert host.window_allocator.capacity == 0
+    assert [r.name.value for r in lay.regions] == ["kv", "indexer", "mamba_conv", "mamba_ssm"]
+    assert host.local("kv").shape[0] == 4 and host.local("mamba_ssm").shape[0] == 2
+
+
+def test_windowed_host_pool_sizing(single_rank_group):
+    lay = StateLayout.for_coords(window_spec(), (1, 1, 1), (0, 0, 0))
+    dev = DevicePools(lay, num_pages=10, num_slots=4)
+    host = HostPools.from_ratio(dev, 2.5, pinned=False)
+    assert (host.num_pages, host.num_slots, host.num_window_pages) == (25, 10, 25)
+    assert host.window_allocator.capacity == 25
+    # One window row per page in the byte cost (kv_window is a paged region).
+    page = sum(r.row_bytes for r in lay.regions if r.paged)
+    assert page == sum(lay.region(n).row_bytes for n in ("kv", "kv_window", "indexer"))
+    slot = sum(r.row_bytes for r in lay.regions if not r.paged)
+    budget = int(7 * (page + 0.5 * slot) + 1)
+    sized = HostPools.from_bytes(
+        lay, budget, Consensus(single_rank_group), slots_per_page=0.5, pinned=False
+    )
+    assert (sized.num_pages, sized.num_slots, sized.num_window_pages) == (7, 3, 7)
+    assert sized.nbytes <= budget

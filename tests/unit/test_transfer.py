@@ -12,21 +12,26 @@ import numpy as np
 import pytest
 import torch
 
+from mesh_hicache import native
 from mesh_hicache.transfer import (
     CpuTransferEngine,
     TransferKind,
     make_transfer_engine,
 )
 from mesh_hicache.transfer import cpu as cpu_module
-from mesh_hicache.transfer.segments import index_runs
+from mesh_hicache.transfer import segments as segments_module
+from mesh_hicache.transfer.segments import IndexKind, index_runs
 from tests.unit.transfer_support import (
     LAYERS,
+    WINDOW_LAYERS,
+    host_views,
     make,
     on_worker,
     randomize,
     same_bits,
     snapshot,
     tensors,
+    window_spec,
 )
 
 
@@ -279,3 +284,161 @@ def test_every_operation_acks_exactly_once_under_failures_and_close(finished):
             assert error == f"OSError: disk on fire in op {op}"
         if op in (5, 10):
             assert "InjectedFailure" in (error or "")
+
+
+# -- windowed layers: a third index pair (device pages, host window ids) ------------------
+
+
+def window_engine(path: str, monkeypatch):
+    """Engine on :func:`window_spec` pools: 12 device pages, 20 host pages, 7 host window
+    ids. ``path``: ``native`` (the C segment loop), ``numpy`` (its Python fallback: bulk
+    addresses and numpy blocks) or ``memmove`` (fallback, every row by memmove, layer by
+    layer)."""
+    if path == "native" and native.segment_copier() is None:
+        pytest.skip("native copy loops need a C compiler (cc) and libcrypto")
+    if path == "memmove":
+        monkeypatch.setattr(segments_module, "SMALL_ROW_BYTES", 0)
+        monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", 0)
+    dev, host, eng = make(host_windows=7, make_spec=window_spec)
+    if path != "native":
+        eng._copy_segments = None
+    if path == "memmove":
+        eng._copy_rows = None
+    return dev, host, eng
+
+
+def fill_host(host, gen) -> dict[tuple[str, int], torch.Tensor]:
+    """Random bits in every host row; a copy of them."""
+    for t in host_views(host).values():
+        raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+        raw.copy_(torch.randint(-(2**15), 2**15, raw.shape, generator=gen).to(raw.dtype))
+    return {k: v.clone() for k, v in host_views(host).items()}
+
+
+@pytest.mark.parametrize("path", ["native", "numpy", "memmove"])
+def test_window_pages_round_trip_by_their_own_ids(path, monkeypatch):
+    gen = torch.Generator().manual_seed(21)
+    dev, host, eng = window_engine(path, monkeypatch)
+    assert host.num_window_pages == 7 and host.local("kv_window").shape[0] == 7
+    kinds = {(eng.layer_ids[s.layer_pos], s.part): s.kind for s in eng.segments.segments}
+    for layer in WINDOW_LAYERS:
+        assert kinds[(layer, "k")] is kinds[(layer, "v")] is IndexKind.WINDOWS
+    assert kinds[(1, "k")] is kinds[(1, "indexer")] is IndexKind.PAGES
+    assert kinds[(2, "conv")] is IndexKind.SLOTS
+    randomize(dev, gen)
+    before = snapshot(dev)
+    host_before = fill_host(host, gen)
+    pages, host_pages = [3, 7, 1, 9, 0], [0, 1, 2, 3, 4]
+    # Windows of three of the pages only, in ids unrelated to the host pages.
+    windows, window_ids = [7, 9, 0], [6, 5, 1]
+    slots, host_slots = [4, 0], [2, 6]
+    with eng:
+        assert eng.backup((pages, host_pages), (slots, host_slots), (windows, window_ids)).wait()
+        for (name, layer), t in host_views(host).items():
+            if name in ("conv", "ssm"):
+                dst, src = host_slots, slots
+            elif layer in WINDOW_LAYERS:
+                dst, src = window_ids, windows
+            else:
+                dst, src = host_pages, pages
+            assert same_bits(t[dst], before[(name, layer)][src]), (name, layer)
+            # Only the given rows changed: other window ids (and pages, slots) untouched.
+            rest = [i for i in range(t.shape[0]) if i not in dst]
+            assert same_bits(t[rest], host_before[(name, layer)][rest]), (name, layer)
+        # The host row of a window id holds that page of every windowed layer.
+        row = host.row("kv_window", 5)
+        for i, layer in enumerate(host.region("kv_window").local_layer_ids):
+            assert same_bits(row[i, 0], before[("k", layer)][9])
+        for t in tensors(dev).values():
+            t.zero_()
+        # Load into other device pages, the windows in reversed order.
+        new_pages, new_windows = [11, 10, 8, 6, 5], [8, 10, 11]
+        h = eng.load((new_pages, host_pages), (slots[::-1], host_slots), (new_windows, window_ids))
+        assert all(h.wait_layer(layer) for layer in LAYERS) and h.wait()
+    for (name, layer), t in tensors(dev).items():
+        if name in ("conv", "ssm"):
+            dst, src = slots[::-1], slots
+        elif layer in WINDOW_LAYERS:
+            dst, src = new_windows, windows
+        else:
+            dst, src = new_pages, pages
+        assert same_bits(t[dst], before[(name, layer)][src]), (name, layer)
+        # Pages loaded without their window keep the device's (zeroed) windowed K/V.
+        assert t[[i for i in range(t.shape[0]) if i not in dst]].view(torch.uint8).eq(0).all()
+
+
+@pytest.mark.parametrize("path", ["native", "memmove"])
+def test_window_load_goes_layer_by_layer(path, monkeypatch, queued):
+    monkeypatch.setattr(cpu_module, "SINGLE_PASS_BYTES", 0)  # this small load too
+    gen = torch.Generator().manual_seed(22)
+    dev, host, eng = window_engine(path, monkeypatch)
+    randomize(dev, gen)
+    pages, slots, windows = [3, 7, 1], [2, 0], [7, 1]
+    pairs = ((pages, [0, 1, 2]), (slots, [0, 1]), (windows, [4, 2]))
+    assert eng.backup(*pairs).wait()
+    before = snapshot(dev)
+    for t in tensors(dev).values():
+        t.zero_()
+    seen: list[int] = []
+    original = eng._layer_ready
+
+    def observe(op, position):
+        layer = eng.layer_ids[position]
+        seen.append(layer)
+        # This layer and earlier ones are in place, later ones are not.
+        for (name, lid), t in tensors(dev).items():
+            if name in ("conv", "ssm"):
+                idx = slots
+            else:
+                idx = windows if lid in WINDOW_LAYERS else pages
+            loaded = same_bits(t[idx], before[(name, lid)][idx])
+            assert loaded == (lid <= layer), (name, lid, layer)
+        original(op, position)
+
+    eng._layer_ready = observe  # type: ignore[method-assign]
+    handle = eng.load(*pairs)
+    assert handle.wait_layer(LAYERS[0]) and handle.wait()
+    assert seen == list(LAYERS)
+    eng.close()
+
+
+def test_bad_window_pairs_are_value_errors():
+    dev, host, eng = make(host_windows=7, make_spec=window_spec)
+    with eng:
+        with pytest.raises(ValueError, match="window_pages: 2 device vs 1 host"):
+            eng.backup(window_pages=([0, 1], [0]))
+        with pytest.raises(ValueError, match=r"window_pages: device index out of range \[0, 12\)"):
+            eng.load(window_pages=([12], [0]))
+        # A host page id (< 20) is no window id (< 7).
+        with pytest.raises(ValueError, match=r"window_pages: host index out of range \[0, 7\)"):
+            eng.backup(([0], [9]), window_pages=([0], [9]))
+        with pytest.raises(ValueError, match="window_pages: host index out of range"):
+            eng.load(window_pages=([0], [-1]))
+        with pytest.raises(ValueError, match="window_pages must be a pair"):
+            eng.load(window_pages=([0],))
+        assert eng.backup(window_pages=([0], [6])).wait()  # the last window id is fine
+    plain_dev, plain_host, plain = make()
+    with plain:  # no kv_window: no window ids at all
+        assert plain_host.num_window_pages == 0
+        with pytest.raises(ValueError, match=r"window_pages: host index out of range \[0, 0\)"):
+            plain.backup(window_pages=([0], [0]))
+
+
+def test_window_bytes_count_towards_an_operation():
+    dev, host, eng = make(host_windows=7, make_spec=window_spec)
+    table = eng.segments
+    page, slot, window = table.kind_bytes
+    region = host.layout.region
+
+    def rows(name: str) -> int:
+        return region(name).row_bytes
+
+    assert (page, slot, window) == (
+        rows("kv") + rows("indexer"),
+        rows("mamba_conv") + rows("mamba_ssm"),
+        rows("kv_window"),
+    )
+    one = np.zeros(1, dtype=np.int64)
+    none = one[:0]
+    assert table.op_bytes([(one, one), (none, none), (one, one)]) == page + window
+    eng.close()

@@ -23,7 +23,9 @@ from mesh_hicache.transfer import (
 from mesh_hicache.transfer import cpu as cpu_module
 from mesh_hicache.transfer import segments as segments_module
 from mesh_hicache.transfer.cuda import CudaTransferEngine
+from mesh_hicache.transfer.segments import IndexKind
 from tests.unit.transfer_support import (
+    WINDOW_LAYERS,
     host_views,
     naive_apply,
     on_worker,
@@ -33,10 +35,28 @@ from tests.unit.transfer_support import (
     snapshot,
     spec,
     tensors,
+    window_spec,
 )
 
+SPECS = [spec, one_layer_spec, window_spec]
+SPEC_IDS = ["multi-layer", "one-layer", "windowed"]
+#: Host window ids of the pools below: fewer than host pages (L2 holds only some windows).
+HOST_WINDOWS = 10
 
-@pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
+
+def windowed_layers(make_spec) -> tuple[int, ...]:
+    return WINDOW_LAYERS if make_spec is window_spec else ()
+
+
+def random_windows(make_spec, gen, pages):
+    """A window pair for some of ``pages``' device pages (random window ids), or none."""
+    if make_spec is not window_spec:
+        return ((), ())
+    k = int(torch.randint(0, len(pages[0]) + 1, (1,), generator=gen))
+    return (pages[0][:k], torch.randperm(HOST_WINDOWS, generator=gen)[:k].tolist())
+
+
+@pytest.mark.parametrize("make_spec", SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize(
     "path",
     [
@@ -62,7 +82,7 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monke
     gen = torch.Generator().manual_seed(7)
     layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
     dev = DevicePools(layout, num_pages=16, num_slots=6)
-    host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
+    host = HostPools(layout, num_pages=24, num_slots=8, num_window_pages=HOST_WINDOWS, pinned=False)
     eng = CpuTransferEngine(dev, host)
     if not path.startswith("native"):
         eng._copy_segments = None
@@ -81,8 +101,9 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monke
             return real_seg(table, s0, s1, *rest)
 
         eng._copy_segments = count
-    # One block per pool buffer: kv (K and V of every layer), indexer, conv, ssm.
-    assert len(eng.segments._blocks) == (4 if small_rows or path == "one-pass-numpy" else 0)
+    # One block per pool buffer: kv (K and V of every layer), kv_window, indexer, conv, ssm.
+    blocks = len(layout.regions)
+    assert len(eng.segments._blocks) == (blocks if small_rows or path == "one-pass-numpy" else 0)
     randomize(dev, gen)
     for t in host_views(host).values():
         raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
@@ -119,13 +140,15 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monke
             torch.randperm(8, generator=gen)[:k].tolist(),
         )
         kind = TransferKind.BACKUP if torch.rand(1, generator=gen) < 0.5 else TransferKind.LOAD
-        ops.append((kind, pages, slots))
+        ops.append((kind, pages, slots, random_windows(make_spec, gen, pages)))
     handles = [
-        (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s) for kind, p, s in ops[:1]
+        (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s, w)
+        for kind, p, s, w in ops[:1]
     ]
     assert reached.wait(timeout=30)  # op 0 holds the worker
     handles += [
-        (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s) for kind, p, s in ops[1:]
+        (eng.backup if kind is TransferKind.BACKUP else eng.load)(p, s, w)
+        for kind, p, s, w in ops[1:]
     ]
     gate.set()
     assert all(h.wait(timeout=30) for h in handles)
@@ -142,10 +165,11 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monke
         one_pass = [(0, num_segments)]  # a backup, or a load of nothing (0 bytes)
         expected = [
             c
-            for kind, pages, slots in ops
+            for kind, pages, slots, windows in ops
             for c in (
                 one_pass
-                if kind is TransferKind.BACKUP or not (len(pages[0]) or len(slots[0]))
+                if kind is TransferKind.BACKUP
+                or not (len(pages[0]) or len(slots[0]) or len(windows[0]))
                 else per_layer
             )
         ]
@@ -155,30 +179,34 @@ def test_batched_random_ops_equal_naive_sequential_copies(make_spec, path, monke
     else:
         assert seg_calls == [] and calls == []
     eng.close()
-    for kind, pages, slots in ops:
-        naive_apply(ref_dev, ref_host, kind, pages, slots)
+    for kind, pages, slots, windows in ops:
+        naive_apply(ref_dev, ref_host, kind, pages, slots, windows, windowed_layers(make_spec))
     for key, t in tensors(dev).items():
         assert same_bits(t, ref_dev[key]), key
     for key, t in host_views(host).items():
         assert same_bits(t, ref_host[key]), key
 
 
-@pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
+@pytest.mark.parametrize("make_spec", SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize("backup", [True, False])
 def test_bulk_row_addresses_equal_naive_row_pointers(make_spec, backup):
     gen = torch.Generator().manual_seed(11)
     layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
     dev = DevicePools(layout, num_pages=16, num_slots=6)
-    host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
+    host = HostPools(layout, num_pages=24, num_slots=8, num_window_pages=HOST_WINDOWS, pinned=False)
     eng = CpuTransferEngine(dev, host)
     dp = [3, 4, 5, 9] + torch.randperm(16, generator=gen)[:5].tolist()
     hp = [7, 8, 9, 1] + torch.randperm(24, generator=gen)[:5].tolist()
     ds, hs = [0, 1, 2, 5], [3, 4, 5, 0]
+    dw, hw = [3, 4, 5, 12, 0], [6, 7, 8, 0, 9]  # window ids: their own space
+    pairs = {IndexKind.PAGES: (dp, hp), IndexKind.SLOTS: (ds, hs), IndexKind.WINDOWS: (dw, hw)}
     table = eng.segments
     rows = table.mem_rows(
         backup,
-        (np.array(dp, dtype=np.int64), np.array(hp, dtype=np.int64)),
-        (np.array(ds, dtype=np.int64), np.array(hs, dtype=np.int64)),
+        [
+            (np.array(pairs[k][0], dtype=np.int64), np.array(pairs[k][1], dtype=np.int64))
+            for k in IndexKind
+        ],
     )
     dev_t, host_t = tensors(dev), host_views(host)
     merged_any = False
@@ -187,7 +215,7 @@ def test_bulk_row_addresses_equal_naive_row_pointers(make_spec, backup):
         for seg in (table.segments[i] for i in table.by_layer[pos]):
             d_t, h_t = dev_t[(seg.part, layer)], host_t[(seg.part, layer)]
             row = d_t[0].numel() * d_t.element_size()
-            for d, h in zip(*((dp, hp) if seg.paged else (ds, hs)), strict=True):
+            for d, h in zip(*pairs[seg.kind], strict=True):
                 src, dst = (d_t[d], h_t[h]) if backup else (h_t[h], d_t[d])
                 expected.append((dst.data_ptr(), src.data_ptr(), row))
         got = []  # this layer's copies, merged runs expanded back into rows
@@ -264,14 +292,16 @@ def cuda_engine_on_cpu(monkeypatch):
     def build(make_spec, staging_bytes):
         layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
         dev = DevicePools(layout, num_pages=16, num_slots=6)
-        host = HostPools(layout, num_pages=24, num_slots=8, pinned=False)
+        host = HostPools(
+            layout, num_pages=24, num_slots=8, num_window_pages=HOST_WINDOWS, pinned=False
+        )
         dev.device = torch.device("cuda", 0)  # the engine checks it; tensors stay on CPU
         return dev, host, CudaTransferEngine(dev, host, staging_bytes=staging_bytes)
 
     return build, calls
 
 
-@pytest.mark.parametrize("make_spec", [spec, one_layer_spec], ids=["multi-layer", "one-layer"])
+@pytest.mark.parametrize("make_spec", SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize("staging_bytes", [64 << 20, 1], ids=["staging-64MiB", "staging-1row"])
 def test_cuda_engine_copy_plan_equals_naive_copies(cuda_engine_on_cpu, make_spec, staging_bytes):
     build, calls = cuda_engine_on_cpu
@@ -282,9 +312,12 @@ def test_cuda_engine_copy_plan_equals_naive_copies(cuda_engine_on_cpu, make_spec
         raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
         raw.copy_(torch.randint(-(2**15), 2**15, raw.shape, generator=gen).to(raw.dtype))
     ref_dev, ref_host = snapshot(dev), {k: v.clone() for k, v in host_views(host).items()}
+    first: list[tuple[list[int], list[int]]] = [([], []), ([], [])]
+    if make_spec is window_spec:
+        first = [([3, 4, 5], [7, 8, 9]), ([0, 1, 2], [7, 8, 9])]  # host runs of 3 too
     ops = [
-        (TransferKind.BACKUP, ([3, 4, 5, 9], [7, 8, 9, 1]), ([0, 1], [2, 3])),
-        (TransferKind.LOAD, ([0, 1, 2, 15], [7, 8, 9, 1]), ([4, 5], [2, 3])),
+        (TransferKind.BACKUP, ([3, 4, 5, 9], [7, 8, 9, 1]), ([0, 1], [2, 3]), first[0]),
+        (TransferKind.LOAD, ([0, 1, 2, 15], [7, 8, 9, 1]), ([4, 5], [2, 3]), first[1]),
     ]
     for i in range(20):
         n = int(torch.randint(0, 9, (1,), generator=gen))
@@ -297,12 +330,15 @@ def test_cuda_engine_copy_plan_equals_naive_copies(cuda_engine_on_cpu, make_spec
             torch.randperm(6, generator=gen)[:k].tolist(),
             torch.randperm(8, generator=gen)[:k].tolist(),
         )
-        ops.append((TransferKind.BACKUP if i % 2 else TransferKind.LOAD, pages, slots))
-    handles = [(eng.backup if k is TransferKind.BACKUP else eng.load)(p, s) for k, p, s in ops]
+        kind = TransferKind.BACKUP if i % 2 else TransferKind.LOAD
+        ops.append((kind, pages, slots, random_windows(make_spec, gen, pages)))
+    handles = [
+        (eng.backup if k is TransferKind.BACKUP else eng.load)(p, s, w) for k, p, s, w in ops
+    ]
     assert all(h.wait(timeout=30) for h in handles)
     eng.close()
-    for kind, pages, slots in ops:
-        naive_apply(ref_dev, ref_host, kind, pages, slots)
+    for kind, pages, slots, windows in ops:
+        naive_apply(ref_dev, ref_host, kind, pages, slots, windows, windowed_layers(make_spec))
     for key, t in tensors(dev).items():
         assert same_bits(t, ref_dev[key]), key
     for key, t in host_views(host).items():

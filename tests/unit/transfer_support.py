@@ -1,16 +1,18 @@
 """Shared helpers of the transfer-engine tests (a helper module, not collected): a small
-hybrid spec with every region, engines on it, random bit patterns, and a naive per-row
-copy as the reference. Their fixtures (``queued``, ``finished``) are in conftest.py."""
+hybrid spec with every region (and a variant with sliding-window layers), engines on it,
+random bit patterns, and a naive per-row copy as the reference. Their fixtures
+(``queued``, ``finished``) are in conftest.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
 
 from mesh_hicache.layout import StateLayout
 from mesh_hicache.pools import DevicePools, HostPools
-from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec
+from mesh_hicache.spec import Family, IndexerSpec, KVSpec, MambaSpec, StateSpec, WindowSpec
 from mesh_hicache.transfer import (
     CpuTransferEngine,
     TransferKind,
@@ -38,10 +40,28 @@ def spec() -> StateSpec:
     )
 
 
-def make(num_pages=12, num_slots=5, host_pages=20, host_slots=7):
-    layout = StateLayout.for_coords(spec(), (1, 1, 1), (0, 0, 0))
+#: The sliding-window layers of :func:`window_spec` (KV layers 1 and 5, with the indexer,
+#: stay full).
+WINDOW_LAYERS = (0, 3)
+
+
+def window_spec() -> StateSpec:
+    """:func:`spec` with KV layers 0 and 3 sliding-window: their K/V live in ``kv_window``,
+    whose host rows are window ids (KV, windows, indexer and Mamba in one spec)."""
+    group = WindowSpec(layer_ids=WINDOW_LAYERS, window=6, sink_tokens=1)
+    return dataclasses.replace(spec(), windows=(group,))
+
+
+def make(num_pages=12, num_slots=5, host_pages=20, host_slots=7, host_windows=None, make_spec=spec):
+    layout = StateLayout.for_coords(make_spec(), (1, 1, 1), (0, 0, 0))
     dev = DevicePools(layout, num_pages=num_pages, num_slots=num_slots)
-    host = HostPools(layout, num_pages=host_pages, num_slots=host_slots, pinned=False)
+    host = HostPools(
+        layout,
+        num_pages=host_pages,
+        num_slots=host_slots,
+        num_window_pages=host_windows,
+        pinned=False,
+    )
     return dev, host, CpuTransferEngine(dev, host)
 
 
@@ -78,12 +98,16 @@ def on_worker() -> bool:
     return threading.current_thread().name.startswith("transfer-")
 
 
-def naive_apply(dev_t, host_t, kind, pages, slots):
-    """Reference: one row at a time, on plain tensor views (dicts of clones)."""
-    dp, hp = pages
-    ds, hs = slots
+def naive_apply(dev_t, host_t, kind, pages, slots, windows=((), ()), windowed=()):
+    """Reference: one row at a time, on plain tensor views (dicts of clones). K/V of the
+    ``windowed`` layers go by the ``windows`` pair (device pages, host window ids)."""
     for (name, layer), t in dev_t.items():
-        idx_d, idx_h = (ds, hs) if name in ("conv", "ssm") else (dp, hp)
+        if name in ("conv", "ssm"):
+            idx_d, idx_h = slots
+        elif name in ("k", "v") and layer in windowed:
+            idx_d, idx_h = windows
+        else:
+            idx_d, idx_h = pages
         for d, h in zip(idx_d, idx_h, strict=True):
             if kind is TransferKind.BACKUP:
                 host_t[(name, layer)][h].copy_(t[d])
@@ -92,11 +116,16 @@ def naive_apply(dev_t, host_t, kind, pages, slots):
 
 
 def host_views(host: HostPools) -> dict[tuple[str, int], torch.Tensor]:
+    """The host rows of every (part, layer): ``[ids, *row]`` views (K/V of windowed
+    layers from ``kv_window``, indexed by window ids)."""
     out = {}
-    kv = host.region("kv")
-    for layer in kv.local_layer_ids:
-        out[("k", layer)] = host.local("kv")[:, kv.layer_row(layer), 0]
-        out[("v", layer)] = host.local("kv")[:, kv.layer_row(layer), 1]
+    for region in ("kv", "kv_window"):
+        if not host.layout.has_region(region):
+            continue
+        kv = host.region(region)
+        for layer in kv.local_layer_ids:
+            out[("k", layer)] = host.local(region)[:, kv.layer_row(layer), 0]
+            out[("v", layer)] = host.local(region)[:, kv.layer_row(layer), 1]
     for name, region in (("indexer", "indexer"), ("conv", "mamba_conv"), ("ssm", "mamba_ssm")):
         r = host.region(region)
         for layer in r.local_layer_ids:

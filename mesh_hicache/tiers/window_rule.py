@@ -1,29 +1,31 @@
-"""The storage tier's rules for sliding-window layers (the ``kv_window`` region).
+"""Which windowed pages the host (L2) and storage (L3) tiers keep (the ``kv_window`` region).
 
 A resume at boundary ``b`` reads a windowed layer's K/V of only the last ``window - 1``
-tokens before ``b`` and the sinks (:mod:`mesh_hicache.radix.window`). L3 therefore
-stores a ``kv_window`` page object only where a boundary needs it:
+tokens before ``b`` and the sinks (:mod:`mesh_hicache.radix.window`). Below the device
+tier a page's windowed K/V is therefore kept only where a boundary needs it; the
+full-attention K/V (``kv``) of every page is kept as before:
 
-- **write** (:meth:`WindowRule.write_offsets`): a node writes the windowed pages that a
-  resume at its end needs, and those that a resume at every multiple of
-  ``checkpoint_tokens`` inside or just past it needs. The checkpoints depend on the page
-  index alone, so whatever way the tree splits a path later, a boundary at each checkpoint
-  finds its windowed pages. A node end created by a later split (a branch point) gets
-  them when a node below it is written (:meth:`WindowRule.start_pages`: the pages a
-  resume at the written node's start needs, read from its ancestors' host copies and
-  stored unless present); until then an L3 hit there falls back to the deepest boundary
-  that has them (at most ``checkpoint_tokens`` shorter). ``checkpoint_tokens=0`` stores
-  every page. A node whose windowed K/V has gaps (it came from L3 itself,
-  ``TreeNode.window_missing``) writes none.
+- **keep** (:meth:`WindowRule.write_offsets`): a node backed up to host keeps the
+  windowed pages that a resume at its end needs, and those that a resume at every
+  multiple of ``checkpoint_tokens`` inside or just past it needs, among those its device
+  copy holds; L3 stores what the host copy holds. The checkpoints depend on the page
+  index alone, so whatever way the tree splits a path later, a boundary at each
+  checkpoint finds its windowed pages. A node end created by a later split (a branch
+  point) gets them when a node below it is backed up (:meth:`WindowRule.start_pages`:
+  the pages a resume at that node's start needs, copied from its ancestors' device
+  copies to their host copies, then stored in L3 unless present); until then a hit
+  there from host or L3 falls back to the deepest boundary that has them (at most
+  ``checkpoint_tokens`` shorter). ``checkpoint_tokens=0`` keeps every page.
 - **hit** (:meth:`WindowRule.limit`, :meth:`WindowRule.resumes`): an L3 hit ends at the
   deepest boundary at which every page a resume needs is present (in L3, or before the
   hit's start in the tree), and before the first checkpoint whose pages L3 lacks (so a
   lost object only shortens hits). Meshes sharing an L3 namespace should use the same
-  ``checkpoint_tokens``.
-- **read** (:meth:`WindowRule.kept_missing`): a prefetch reads the windowed pages that
-  exist (the others' host rows are zeroed); the tree then records as missing every read
-  page that neither the agreed end nor a checkpoint before it needs: the same set on
-  every rank, since the hit rule made sure each rank read those.
+  ``checkpoint_tokens``. Host and device hits follow the tree's record of the pages each
+  copy lacks (``TreeNode.window_missing``, ``host_window_missing``).
+- **read** (:meth:`WindowRule.kept`, :meth:`WindowRule.kept_missing`): a prefetch of a
+  hit ending at ``end`` reserves host window rows for the pages its end and the
+  checkpoints up to it need (the same count on every rank) and reads those that exist;
+  the tree records every other page as missing.
 
 Pure functions of page indices and the spec; no storage access, no collectives.
 """
@@ -81,32 +83,41 @@ class WindowRule:
         return out
 
     def write_offsets(self, node: TreeNode) -> tuple[int, ...]:
-        """Offsets of ``node``'s pages (0 = its first) whose windowed K/V L3 stores."""
-        if node.window_missing:
-            return ()
+        """Offsets of ``node``'s pages (0 = its first) whose windowed K/V a backup of its
+        device copy keeps: those its end and the checkpoints need, except the pages the
+        copy lacks (``window_missing``)."""
         first = (node.prefix_len - node.num_tokens) // self.page_size
         last = first + node.num_pages
         pages = self.checkpoint_pages(first, last, last * self.page_size + self._reach)
         pages.update(p for p in self.needed(node.prefix_len) if p >= first)
-        return tuple(p - first for p in sorted(pages))
+        gaps = node.window_missing
+        return tuple(p - first for p in sorted(pages) if p - first not in gaps)
 
     def start_pages(self, node: TreeNode) -> list[tuple[TreeNode, int]]:
         """The windowed pages a resume at ``node``'s start (its parent's end) needs that
-        lie in its ancestors, are not sinks and that no checkpoint needs (those are stored
-        with their node), as ``(ancestor, offset)``; pages an ancestor lacks are left out."""
+        lie in its ancestors, are not sinks and that no checkpoint needs (those are kept
+        with their node), as ``(ancestor, offset)``."""
         start = node.prefix_len - node.num_tokens
-        first = start // self.page_size
-        pages = set(self.needed(start)) - self.checkpoint_pages(0, first, start + self._reach)
-        pages = {p for p in pages if p >= self._sink_pages}
+        skip = self.checkpoint_pages(0, start // self.page_size, start + self._reach)
+        out = []
+        for owner, i in self.resume_pages(node, start):
+            page = owner.prefix_len // self.page_size - owner.num_pages + i
+            if page >= self._sink_pages and page not in skip:
+                out.append((owner, i))
+        return out
+
+    def resume_pages(self, node: TreeNode, boundary: int) -> list[tuple[TreeNode, int]]:
+        """The windowed pages a resume at ``boundary`` tokens (at most ``node``'s end)
+        needs, located in ``node`` and its ancestors, as ``(owner, offset)``."""
+        pages = self.needed(boundary)
         out: list[tuple[TreeNode, int]] = []
-        owner = node.parent
+        owner: TreeNode | None = node
+        end = node.prefix_len // self.page_size  # owner's pages are [end - num_pages, end)
         while pages and owner is not None and not owner.is_sentinel:
-            first -= owner.num_pages
-            for p in sorted(q for q in pages if q >= first):
-                if p - first not in owner.window_missing:
-                    out.append((owner, p - first))
-                pages.discard(p)
-            owner = owner.parent
+            first = end - owner.num_pages
+            out.extend((owner, p - first) for p in sorted(pages) if first <= p < end)
+            pages = frozenset(p for p in pages if p < first)
+            owner, end = owner.parent, first
         return out
 
     def limit(self, start_page: int, candidates: int, present: Callable[[int], bool]) -> int:
@@ -135,14 +146,20 @@ class WindowRule:
         have = _Presence(start_page, present, missing_before)
         return resumable((start_page + pages) * self.page_size, have, self.page_size, self.groups)
 
-    def kept_missing(self, start_page: int, pages: int) -> tuple[int, ...]:
-        """Pages ``[start_page, end)`` a prefetch ending at ``end = start_page + pages``
-        marks missing in the tree: all but those its end and the checkpoints up to it need
-        (:meth:`limit` made sure every rank read these)."""
+    def kept(self, start_page: int, pages: int) -> set[int]:
+        """Pages of ``[start_page, end)`` that a resume at ``end = start_page + pages`` or
+        at a checkpoint up to it needs."""
         end = start_page + pages
         keep = self.checkpoint_pages(start_page, end, end * self.page_size)
-        keep.update(self.needed(end * self.page_size))
-        return tuple(p for p in range(start_page, end) if p not in keep)
+        keep.update(p for p in self.needed(end * self.page_size) if p >= start_page)
+        return keep
+
+    def kept_missing(self, start_page: int, pages: int) -> tuple[int, ...]:
+        """Pages ``[start_page, end)`` a prefetch ending at ``end = start_page + pages``
+        marks missing in the tree: all but :meth:`kept` (:meth:`limit` made sure every
+        rank read these)."""
+        keep = self.kept(start_page, pages)
+        return tuple(p for p in range(start_page, start_page + pages) if p not in keep)
 
 
 class _Presence:

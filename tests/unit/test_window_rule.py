@@ -1,4 +1,4 @@
-"""The storage tier's windowed-page rules (``tiers/l3_window.py``), against an oracle
+"""The storage tier's windowed-page rules (``tiers/window_rule.py``), against an oracle
 written from the definition: a query at ``p`` sees keys ``p - window < k <= p`` and
 ``k < sinks``, so a resume at ``b`` reads tokens ``[b - window + 1, b)`` and the sinks."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from mesh_hicache.spec import WindowSpec
-from mesh_hicache.tiers.l3_window import WindowRule
+from mesh_hicache.tiers.window_rule import WindowRule
 
 PS = 4
 
@@ -49,9 +49,9 @@ def test_one_node_writes_its_end_and_the_checkpoints() -> None:
     rule = WindowRule(GROUPS["window6"], PS, checkpoint_tokens=16)
     # End 40 needs tokens 35..39 (pages 8, 9); checkpoints 16 and 32 pages 2, 3 and 6, 7.
     assert rule.write_offsets(node(0, 10)) == (2, 3, 6, 7, 8, 9)
-    # Every page when checkpoint_tokens is 0; none for a node that came with gaps.
+    # Every page when checkpoint_tokens is 0; never a page the copy lacks.
     assert WindowRule(GROUPS["window6"], PS, 0).write_offsets(node(0, 10)) == tuple(range(10))
-    assert rule.write_offsets(node(0, 10, frozenset({1}))) == ()
+    assert rule.write_offsets(node(0, 10, frozenset({2, 8}))) == (3, 6, 7, 9)
 
 
 @pytest.mark.parametrize("case", sorted(GROUPS))
@@ -77,12 +77,12 @@ def test_checkpoints_survive_any_split(case: str, every: int) -> None:
             assert stored == set(range(total))
 
 
-def chain(cuts: list[int], total: int, missing: dict[int, frozenset[int]]) -> list[SimpleNamespace]:
+def chain(cuts: list[int], total: int) -> list[SimpleNamespace]:
     """The nodes of one path split at ``cuts`` (pages), each linked to its parent."""
     parent = SimpleNamespace(is_sentinel=True, parent=None)
     out = []
     for a, b in zip([0, *cuts], [*cuts, total], strict=True):
-        n = node(a, b - a, missing.get(a, frozenset()))
+        n = node(a, b - a)
         n.parent, n.is_sentinel = parent, False
         out.append(n)
         parent = n
@@ -94,8 +94,7 @@ def chain(cuts: list[int], total: int, missing: dict[int, frozenset[int]]) -> li
 def test_a_branch_point_is_stored_with_the_node_below_it(case: str, every: int) -> None:
     """A path written as some nodes and later split elsewhere: writing each later node's
     ``start_pages`` as well stores what a resume at every later node end needs; a start
-    page is one the checkpoints do not store, located in its owner, and never a page the
-    owner lacks."""
+    page is one the checkpoints and sinks do not store, located in its owner."""
     groups = GROUPS[case]
     rule = WindowRule(groups, PS, every)
     rng = random.Random(100 + every)
@@ -106,16 +105,11 @@ def test_a_branch_point_is_stored_with_the_node_below_it(case: str, every: int) 
     for _ in range(40):
         total = rng.randrange(1, 30)
         stored: set[int] = set()
-        for n in chain(random_cuts(total), total, {}):
+        for n in chain(random_cuts(total), total):
             first = n.prefix_len // PS - n.num_pages
             stored |= {first + o for o in rule.write_offsets(n)}
         cuts = random_cuts(total)
-        lacks = {
-            a: frozenset({rng.randrange(b - a)})
-            for a, b in zip([0, *cuts], cuts, strict=False)
-            if rng.random() < 0.2
-        }
-        nodes = chain(cuts, total, lacks)
+        nodes = chain(cuts, total)
         firsts = {id(n): n.prefix_len // PS - n.num_pages for n in nodes}
         sinks = {t // PS for g in groups for t in range(g.sink_tokens)}
         kept = rule.checkpoint_pages(0, total, total * PS + 12) | sinks
@@ -123,13 +117,11 @@ def test_a_branch_point_is_stored_with_the_node_below_it(case: str, every: int) 
             start = n.prefix_len - n.num_tokens
             got = {firsts[id(owner)] + o for owner, o in rule.start_pages(n)}
             for owner, o in rule.start_pages(n):
-                assert 0 <= o < owner.num_pages and o not in owner.window_missing
-            absent = {firsts[id(m)] + o for m in nodes for o in m.window_missing}
-            assert got == oracle_needed(start, groups) - kept - absent, (cuts, start)
+                assert 0 <= o < owner.num_pages
+            assert got == oracle_needed(start, groups) - kept, (cuts, start)
             stored |= got
-        if not lacks:
-            for b in cuts:
-                assert oracle_needed(b * PS, groups) <= stored, (cuts, b)
+        for b in cuts:
+            assert oracle_needed(b * PS, groups) <= stored, (cuts, b)
 
 
 def test_deepest_falls_back_to_a_checkpoint() -> None:
