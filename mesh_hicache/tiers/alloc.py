@@ -2,7 +2,9 @@
 
 Owns every free and allocate call on the device (L1) and host (L2) pool allocators, and
 the eviction that makes room: the tree picks victims, this module returns what they freed
-to the allocators and counts it.
+to the allocators and counts it. With sliding-window layers it also maps each host page
+that keeps its windowed K/V to its window row (``bind_windows``, ``window_row``) and
+frees the row with the page.
 
 Thread story: the scheduler thread only (allocators and the tree are not thread-safe).
 

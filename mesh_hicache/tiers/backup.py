@@ -11,6 +11,9 @@ Write policy (docs/DESIGN.md section 7), decided here and nowhere else:
   the eviction policy ranks it above the host tier's own next victim); off by default,
   as it measured lower hit rates on the replayed traces (docs/performance.md).
 
+With sliding-window layers a backup keeps a page's windowed K/V only where a resume needs
+it (``BackupQueue._window_plan``, rules in ``window_rule.py``), in window rows of its own.
+
 A backup reserves host pages/slots (agreed), records them in the tree at once, and keeps
 its nodes locked (device copy stays) and host-protected (host copy stays) through a
 :class:`~mesh_hicache.tiers.lease.Lease` until the copy is consumed; with L3, the host
